@@ -1,0 +1,61 @@
+# stepbudget — every command a user or CI needs. `make demo` and `make test` work on a fresh
+# machine that has only Python: each installs what it needs, idempotently.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TOOLS  := .tools/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+PYTEST_ARGS ?=
+
+export PATH := $(CURDIR)/$(TOOLS):$(PATH)
+
+.PHONY: demo test venv tools promtool helm test-python test-rules dashboards chart-sync lint-rules bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/stepbudget demo $(ARGS)
+
+# External tools the tests drive for real: promtool, prometheus and alertmanager (Debian),
+# and the official helm binary (see scripts/install-helm.sh).
+promtool:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    prometheus prometheus-alertmanager; }
+
+helm: $(TOOLS)/helm
+
+$(TOOLS)/helm: scripts/install-helm.sh
+	sh scripts/install-helm.sh $(TOOLS)
+
+tools: promtool helm
+
+test: $(STAMP) tools
+	$(MAKE) test-rules
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-rules:
+	promtool check rules --lint=all --lint-fatal rules/*.yaml
+	promtool test rules tests/rules/*_test.yaml
+
+# Regenerate the committed Grafana JSON from code, and copy rules/dashboards into the chart.
+dashboards: $(STAMP)
+	$(BIN)/python -m dashboards.build
+
+chart-sync:
+	mkdir -p helm/stepbudget/files/rules helm/stepbudget/files/dashboards
+	cp rules/*.yaml helm/stepbudget/files/rules/
+	cp dashboards/*.json helm/stepbudget/files/dashboards/
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/accuracy.py
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache .hypothesis build *.egg-info

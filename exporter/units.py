@@ -1,0 +1,46 @@
+"""Parsing of human sizes and durations (`80GB`, `4GiB`, `15s`, `5m`) into base units."""
+
+from __future__ import annotations
+
+import re
+
+from exporter.errors import InputError
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_DURATION_UNITS: dict[str, float] = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
+_NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
+    """`80GB` -> 80e9, `4GiB` -> 4 * 2**30, `1e9` -> 1e9. Must be positive."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _NUMBER_WITH_UNIT.match(str(text))
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise InputError(
+                f"{what}: cannot read {text!r} as a size; use bytes or a unit such as 80GB or 4GiB"
+            )
+        value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if not value > 0:
+        raise InputError(f"{what}: must be greater than zero, got {text!r}")
+    return value
+
+
+def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:
+    """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, a bare number is seconds. Must be positive."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _NUMBER_WITH_UNIT.match(str(text))
+        if not match or match.group(2) not in _DURATION_UNITS:
+            raise InputError(f"{what}: cannot read {text!r} as a duration; use e.g. 15s, 5m, 250ms")
+        value = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not value > 0:
+        raise InputError(f"{what}: must be greater than zero, got {text!r}")
+    return value
