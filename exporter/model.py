@@ -1,0 +1,533 @@
+"""The capacity model: bytes read per decode step, step time, token budget, KV capacity.
+
+Pure functions over dataclasses; no I/O, no clocks, no logging. Sizes are bytes, times seconds,
+rates per second. Everything is *per GPU* of one model replica: with tensor parallelism each GPU
+holds 1/tp of the weights and of the KV heads, reads them from its own memory at its own bandwidth,
+and all GPUs of the replica step together, so the per-GPU step time is the replica's step time.
+
+Physics (see docs/model.md and DESIGN §1):
+  * A decode step produces one token for every running request. It reads the weights once for the
+    whole batch (memory-bound) plus every running request's KV cache.
+  * step = overhead + max(t_memory, t_compute)
+      t_memory  = (weight bytes read + KV bytes read) / effective bandwidth
+      t_compute = 2 * active params * tokens in the step / effective compute
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from exporter.errors import InputError, UnsupportedModelError
+
+# Bytes per element by dtype name, as vLLM's --dtype / --kv-cache-dtype / --quantization spell them.
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0, "float32": 4.0,
+    "fp16": 2.0, "float16": 2.0, "half": 2.0, "bf16": 2.0, "bfloat16": 2.0, "auto": 2.0,
+    "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "int8": 1.0, "w8a8": 1.0,
+    "int4": 0.5, "awq": 0.5, "gptq": 0.5, "w4a16": 0.5,
+}
+
+ATTENTION_KINDS = ("mha", "mla")  # mha covers MHA, GQA and MQA: K and V per key-value head
+UNSUPPORTED_ATTENTION_KINDS = ("ssm", "linear", "hybrid-ssm", "attention-free")
+
+DEFAULT_BLOCK_SIZE_TOKENS = 16
+DEFAULT_HEADROOM = 0.9
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.6
+DEFAULT_COMPUTE_EFFICIENCY = 0.5
+AGREEMENT_TOLERANCE = 0.15
+_BUDGET_SEARCH_CEILING_TOKENS = 1e10
+
+
+def dtype_bytes(name: str, what: str = "dtype") -> float:
+    """Bytes per element for a dtype name; InputError naming the flag otherwise."""
+    key = name.strip().lower()
+    if key not in DTYPE_BYTES:
+        raise InputError(f"{what}: unknown dtype {name!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the capacity model needs to know about a model: its attention layout and its size.
+
+    `params` is the total parameter count; for mixture-of-experts models `routed_expert_params`
+    is the part of it that lives in routed experts (all experts, all layers), of which each token
+    uses `experts_per_token` of `experts`.
+    """
+
+    name: str
+    layers: int
+    hidden_size: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    params: float
+    attention_kind: str = "mha"
+    # MLA (DeepSeek-V2/V3): the cache holds one compressed latent plus the rotary key per layer.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    # Sliding-window attention: `sliding_window_layers` of the layers attend to the last
+    # `sliding_window` tokens only; the rest attend to the whole context.
+    sliding_window: int | None = None
+    sliding_window_layers: int = 0
+    # Mixture of experts.
+    experts: int = 0
+    experts_per_token: int = 0
+    routed_expert_params: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        validate_architecture(self)
+
+    @property
+    def full_attention_layers(self) -> int:
+        return self.layers - self.sliding_window_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def is_linear(self) -> bool:
+        """True when bytes read grow linearly with tokens in flight (closed-form budget applies)."""
+        return not self.is_moe and not self.sliding_window_layers
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token multiplies through: shared weights plus k of E routed experts."""
+        if not self.is_moe:
+            return self.params
+        shared = self.params - self.routed_expert_params
+        return shared + self.routed_expert_params * self.experts_per_token / self.experts
+
+
+def validate_architecture(arch: Architecture) -> None:
+    """Reject architectures the formulas cannot describe, with a message naming the field."""
+    where = f"model {arch.name!r}"
+    if arch.attention_kind in UNSUPPORTED_ATTENTION_KINDS:
+        raise UnsupportedModelError(
+            f"{where}: attention kind {arch.attention_kind!r} is not supported: its per-token state "
+            "does not grow as a KV cache does, so tokens in flight do not predict its step time"
+        )
+    if arch.attention_kind not in ATTENTION_KINDS:
+        raise UnsupportedModelError(f"{where}: unknown attention kind {arch.attention_kind!r}")
+    for name in ("layers", "hidden_size", "attention_heads", "kv_heads", "head_dim"):
+        if getattr(arch, name) <= 0:
+            raise InputError(f"{where}: {name} must be a positive integer, got {getattr(arch, name)!r}")
+    if not arch.params > 0:
+        raise InputError(f"{where}: params must be greater than zero, got {arch.params!r}")
+    if arch.attention_kind == "mla" and (arch.kv_lora_rank <= 0 or arch.qk_rope_head_dim < 0):
+        raise InputError(f"{where}: MLA needs kv_lora_rank > 0 and qk_rope_head_dim >= 0")
+    if arch.sliding_window_layers:
+        if not arch.sliding_window or arch.sliding_window <= 0:
+            raise InputError(f"{where}: sliding_window must be positive when sliding layers exist")
+        if not 0 < arch.sliding_window_layers <= arch.layers:
+            raise InputError(f"{where}: sliding_window_layers must be between 1 and layers")
+    if arch.is_moe:
+        if not 0 < arch.experts_per_token <= arch.experts:
+            raise InputError(f"{where}: experts_per_token must be between 1 and experts ({arch.experts})")
+        if not 0 < arch.routed_expert_params < arch.params:
+            raise InputError(f"{where}: routed_expert_params must be between 0 and params")
+
+
+@dataclass(frozen=True)
+class ServingSetup:
+    """One model replica on `tensor_parallel` GPUs, with the effective rates it achieves per GPU."""
+
+    architecture: Architecture
+    gpu_memory_bytes: float
+    effective_bandwidth_bytes_per_second: float
+    effective_compute_flops_per_second: float
+    tensor_parallel: int = 1
+    weight_bytes_per_param: float = 2.0
+    kv_bytes_per_element: float = 2.0
+    step_overhead_seconds: float = 0.0
+    gpu_memory_utilization: float = 0.9
+    reserved_memory_bytes: float = 0.0
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
+
+    def __post_init__(self) -> None:
+        positive = {
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "effective_bandwidth_bytes_per_second": self.effective_bandwidth_bytes_per_second,
+            "effective_compute_flops_per_second": self.effective_compute_flops_per_second,
+            "tensor_parallel": self.tensor_parallel,
+            "weight_bytes_per_param": self.weight_bytes_per_param,
+            "kv_bytes_per_element": self.kv_bytes_per_element,
+            "block_size_tokens": self.block_size_tokens,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise InputError(f"{name} must be greater than zero, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.step_overhead_seconds < 0 or self.reserved_memory_bytes < 0:
+            raise InputError("step_overhead_seconds and reserved_memory_bytes must not be negative")
+
+
+@dataclass(frozen=True)
+class RequestGroup:
+    """`count` running requests, each holding `context_tokens` tokens (prompt + generated so far)."""
+
+    count: int
+    context_tokens: float
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or self.context_tokens < 0:
+            raise InputError(f"a load needs a non-negative count and context, got {self.count}x{self.context_tokens}")
+
+    @property
+    def tokens(self) -> float:
+        return self.count * self.context_tokens
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """The model's view of one decode step."""
+
+    tokens_in_flight: float
+    decode_tokens: float
+    prefill_tokens: float
+    weight_read_bytes: float
+    kv_read_bytes: float
+    memory_seconds: float
+    compute_seconds: float
+    overhead_seconds: float
+
+    @property
+    def read_bytes(self) -> float:
+        return self.weight_read_bytes + self.kv_read_bytes
+
+    @property
+    def tokens_in_step(self) -> float:
+        return self.decode_tokens + self.prefill_tokens
+
+    @property
+    def step_seconds(self) -> float:
+        return self.overhead_seconds + max(self.memory_seconds, self.compute_seconds)
+
+    @property
+    def user_tokens_per_second(self) -> float:
+        """Every decoding request gets one token per step."""
+        return 1.0 / self.step_seconds
+
+
+# --- bytes -------------------------------------------------------------------------------------
+
+
+def kv_heads_per_gpu(arch: Architecture, tensor_parallel: int) -> float:
+    """KV heads are split across TP ranks; with more ranks than heads each rank keeps a replica."""
+    return max(1.0, arch.kv_heads / tensor_parallel)
+
+
+def kv_bytes_per_token_per_layer(arch: Architecture, kv_bytes_per_element: float, tensor_parallel: int = 1) -> float:
+    if arch.attention_kind == "mla":
+        # MLA caches the compressed latent (kv_lora_rank) plus the decoupled rotary key, once per
+        # layer, with no separate K and V, and every TP rank holds the whole latent
+        # (DeepSeek-V2 paper §2.1; vLLM's MLA backends replicate it across ranks).
+        return (arch.kv_lora_rank + arch.qk_rope_head_dim) * kv_bytes_per_element
+    return 2 * kv_heads_per_gpu(arch, tensor_parallel) * arch.head_dim * kv_bytes_per_element
+
+
+def kv_bytes_per_token(arch: Architecture, kv_bytes_per_element: float, tensor_parallel: int = 1) -> float:
+    """KV bytes one token costs on every layer (inside every window): 2·layers·kv_heads·head_dim·bytes."""
+    return arch.layers * kv_bytes_per_token_per_layer(arch, kv_bytes_per_element, tensor_parallel)
+
+
+def kv_bytes_for_context(
+    arch: Architecture, context_tokens: float, kv_bytes_per_element: float, tensor_parallel: int = 1
+) -> float:
+    """KV bytes one request of this context holds and reads: sliding layers stop at the window."""
+    per_layer = kv_bytes_per_token_per_layer(arch, kv_bytes_per_element, tensor_parallel)
+    windowed = min(context_tokens, arch.sliding_window or context_tokens)
+    return per_layer * (arch.full_attention_layers * context_tokens + arch.sliding_window_layers * windowed)
+
+
+def weight_bytes(arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
+    """Weights resident on each GPU."""
+    return arch.params * weight_bytes_per_param / tensor_parallel
+
+
+def expected_distinct_experts(experts: int, experts_per_token: int, tokens: float) -> float:
+    """Expected distinct experts a layer touches when `tokens` tokens each pick k of E at random.
+
+    Each expert is missed by one token with probability 1 - k/E, so by all n with (1 - k/E)^n.
+    """
+    if tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - experts_per_token / experts) ** tokens)
+
+
+def weight_read_bytes(
+    arch: Architecture, weight_bytes_per_param: float, tokens_in_step: float, tensor_parallel: int = 1
+) -> float:
+    """Weight bytes one step reads: all of a dense model; shared weights plus touched experts of an MoE."""
+    if not arch.is_moe:
+        return weight_bytes(arch, weight_bytes_per_param, tensor_parallel)
+    shared = arch.params - arch.routed_expert_params
+    touched = expected_distinct_experts(arch.experts, arch.experts_per_token, max(tokens_in_step, 1.0))
+    routed_read = arch.routed_expert_params * touched / arch.experts
+    return (shared + routed_read) * weight_bytes_per_param / tensor_parallel
+
+
+# --- step time -------------------------------------------------------------------------------
+
+
+def predict_step(
+    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0
+) -> StepPrediction:
+    """Predict one decode step for the running requests in `groups` plus a prefill chunk."""
+    if prefill_tokens_per_step < 0:
+        raise InputError(f"prefill tokens per step must not be negative, got {prefill_tokens_per_step!r}")
+    arch, tp = setup.architecture, setup.tensor_parallel
+    decode_tokens = float(sum(group.count for group in groups))
+    tokens_in_step = decode_tokens + prefill_tokens_per_step
+    weights = weight_read_bytes(arch, setup.weight_bytes_per_param, tokens_in_step, tp)
+    kv = sum(
+        group.count * kv_bytes_for_context(arch, group.context_tokens, setup.kv_bytes_per_element, tp)
+        for group in groups
+    )
+    compute_flops = 2.0 * arch.active_params / tp * tokens_in_step
+    return StepPrediction(
+        tokens_in_flight=float(sum(group.tokens for group in groups)),
+        decode_tokens=decode_tokens,
+        prefill_tokens=float(prefill_tokens_per_step),
+        weight_read_bytes=weights,
+        kv_read_bytes=kv,
+        memory_seconds=(weights + kv) / setup.effective_bandwidth_bytes_per_second,
+        compute_seconds=compute_flops / setup.effective_compute_flops_per_second,
+        overhead_seconds=setup.step_overhead_seconds,
+    )
+
+
+def groups_from_total(tokens_in_flight: float, running_requests: float) -> list[RequestGroup]:
+    """What a server's metrics allow: N running requests sharing T tokens, taken as N of T/N each.
+
+    Exact for plain models (bytes are linear in tokens); for sliding-window models it assumes
+    equal contexts, which overestimates the windowed saving when contexts are very unequal.
+    """
+    if tokens_in_flight < 0 or running_requests < 0:
+        raise InputError("tokens in flight and running requests must not be negative")
+    count = int(round(running_requests))
+    if count == 0:
+        return [RequestGroup(1, tokens_in_flight)] if tokens_in_flight > 0 else []
+    return [RequestGroup(count, tokens_in_flight / count)]
+
+
+def step_budget_seconds(target_tokens_per_second: float, headroom: float = DEFAULT_HEADROOM) -> float:
+    """The longest step that still gives every user the target speed, keeping 1-headroom for prompts."""
+    if not target_tokens_per_second > 0:
+        raise InputError(f"target tokens per second must be greater than zero, got {target_tokens_per_second!r}")
+    if not 0 < headroom <= 1:
+        raise InputError(f"headroom must be in (0, 1], got {headroom!r}")
+    return headroom / target_tokens_per_second
+
+
+def token_budget_tokens(
+    setup: ServingSetup, step_budget: float, context_tokens_per_request: float | None = None
+) -> float:
+    """The most tokens in flight whose predicted step fits `step_budget`; 0 if the model alone misses.
+
+    Plain models with no context given use the closed form
+    ((budget - overhead) * bandwidth - weights) / kv_bytes_per_token. With a context per request
+    (needed for sliding windows and MoE, where bytes are not linear in tokens) the budget is found
+    numerically, with requests of that context, and the compute term counts too.
+    """
+    arch = setup.architecture
+    if context_tokens_per_request is None:
+        if not arch.is_linear:
+            raise InputError(
+                f"model {arch.name!r} has sliding-window layers or experts: its token budget depends on "
+                "the context per request; give one"
+            )
+        usable_bytes = (step_budget - setup.step_overhead_seconds) * setup.effective_bandwidth_bytes_per_second
+        spare = usable_bytes - weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel)
+        per_token = kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel)
+        return max(0.0, spare / per_token)
+    if not context_tokens_per_request > 0:
+        raise InputError(f"context per request must be greater than zero, got {context_tokens_per_request!r}")
+    return _solve_budget_numerically(setup, step_budget, context_tokens_per_request)
+
+
+def _step_at(setup: ServingSetup, tokens_in_flight: float, context: float) -> float:
+    return predict_step(setup, [RequestGroup(1, 0.0)] if tokens_in_flight <= 0 else
+                        _groups_of_context(tokens_in_flight, context)).step_seconds
+
+
+def _groups_of_context(tokens_in_flight: float, context: float) -> list[RequestGroup]:
+    whole = int(tokens_in_flight // context)
+    rest = tokens_in_flight - whole * context
+    groups = [RequestGroup(whole, context)] if whole else []
+    return groups + ([RequestGroup(1, rest)] if rest > 0 else [])
+
+
+def _solve_budget_numerically(setup: ServingSetup, step_budget: float, context: float) -> float:
+    """Bisection: predicted step time never decreases as tokens in flight grow."""
+    if _step_at(setup, context, context) > step_budget:
+        # Even one request of this context misses: see whether a shorter single stream fits.
+        low, high = 0.0, context
+        if _step_at(setup, 0.0, context) > step_budget:
+            return 0.0
+    else:
+        low, high = context, 2 * context
+        while _step_at(setup, high, context) <= step_budget:
+            low, high = high, high * 2
+            if high > _BUDGET_SEARCH_CEILING_TOKENS:
+                return _BUDGET_SEARCH_CEILING_TOKENS
+    while high - low > 0.5:
+        middle = (low + high) / 2
+        if _step_at(setup, middle, context) <= step_budget:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+# --- capacity --------------------------------------------------------------------------------
+
+
+def blocks_for_tokens(tokens: float, block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS) -> int:
+    """A sequence holds whole blocks: ceil(tokens / block_size)."""
+    return math.ceil(tokens / block_size_tokens)
+
+
+def kv_cache_bytes(setup: ServingSetup) -> float:
+    """Memory left for the KV cache on each GPU: memory·utilization − weights − reserved."""
+    weights = weight_bytes(setup.architecture, setup.weight_bytes_per_param, setup.tensor_parallel)
+    usable = setup.gpu_memory_bytes * setup.gpu_memory_utilization
+    return max(0.0, usable - weights - setup.reserved_memory_bytes)
+
+
+def kv_capacity_tokens(setup: ServingSetup) -> int:
+    """Tokens the cache holds, floored to whole blocks, at the full per-token cost (all layers)."""
+    per_token = kv_bytes_per_token(setup.architecture, setup.kv_bytes_per_element, setup.tensor_parallel)
+    blocks = math.floor(kv_cache_bytes(setup) / (per_token * setup.block_size_tokens))
+    return blocks * setup.block_size_tokens
+
+
+def sequence_cache_bytes(
+    arch: Architecture, context_tokens: float, kv_bytes_per_element: float,
+    tensor_parallel: int = 1, block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
+) -> float:
+    """Cache bytes one sequence holds: its context rounded up to whole blocks."""
+    held_tokens = blocks_for_tokens(context_tokens, block_size_tokens) * block_size_tokens
+    return kv_bytes_for_context(arch, held_tokens, kv_bytes_per_element, tensor_parallel)
+
+
+def sequences_that_fit(cache_bytes: float, bytes_per_sequence: float) -> int:
+    if not bytes_per_sequence > 0:
+        raise InputError("bytes per sequence must be greater than zero")
+    return max(0, math.floor(cache_bytes / bytes_per_sequence))
+
+
+def max_concurrency(setup: ServingSetup, context_tokens: float) -> int:
+    """How many sequences of this context the cache holds at once."""
+    if not context_tokens > 0:
+        raise InputError(f"context must be greater than zero, got {context_tokens!r}")
+    per_sequence = sequence_cache_bytes(
+        setup.architecture, context_tokens, setup.kv_bytes_per_element,
+        setup.tensor_parallel, setup.block_size_tokens,
+    )
+    return sequences_that_fit(kv_cache_bytes(setup), per_sequence)
+
+
+# --- calibration -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """One stream alone: its inter-token latency, its context, and the bytes a step read at it."""
+
+    itl_seconds: float
+    tokens_in_flight: float
+    read_bytes: float
+
+    @property
+    def bandwidth_bytes_per_second(self) -> float:
+        """The point's own bandwidth, taking the whole gap as memory time (no overhead)."""
+        return self.read_bytes / self.itl_seconds
+
+
+@dataclass(frozen=True)
+class Calibration:
+    effective_bandwidth_bytes_per_second: float
+    step_overhead_seconds: float
+    points: tuple[CalibrationPoint, ...]
+    fitted_seconds: tuple[float, ...]
+    spread_ratio: float
+    tolerance: float = AGREEMENT_TOLERANCE
+    overhead_fitted: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def agrees(self) -> bool:
+        """The points' own bandwidths agree within tolerance: a bandwidth model fits this server."""
+        return self.spread_ratio <= self.tolerance
+
+    @property
+    def residual_ratios(self) -> tuple[float, ...]:
+        return tuple((fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(self.points, self.fitted_seconds))
+
+
+def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_TOLERANCE) -> Calibration:
+    """Fit effective bandwidth (and, with points at two or more sizes, a per-step overhead).
+
+    itl = overhead + read_bytes / bandwidth, least squares. The agreement verdict compares the
+    points' own bandwidths (no overhead): a spread over `tolerance` means bytes read alone do not
+    explain the gaps (prefix caching, quantized cache, MoE routing, or large fixed overheads).
+    """
+    points = tuple(points)
+    if not points:
+        raise InputError("calibration needs at least one point")
+    for point in points:
+        if not point.itl_seconds > 0 or not point.read_bytes > 0 or point.tokens_in_flight < 0:
+            raise InputError(
+                f"calibration point {point.itl_seconds}@{point.tokens_in_flight}: inter-token latency "
+                "must be greater than zero and tokens in flight not negative"
+            )
+    bandwidths = [point.bandwidth_bytes_per_second for point in points]
+    spread = max(bandwidths) / min(bandwidths) - 1.0
+    notes: list[str] = []
+    overhead, inverse_bandwidth, fitted = 0.0, None, False
+    if len({point.read_bytes for point in points}) >= 2:
+        overhead, inverse_bandwidth = _least_squares_line([p.read_bytes for p in points], [p.itl_seconds for p in points])
+        fitted = True
+        if inverse_bandwidth <= 0:
+            raise InputError(
+                "calibration points disagree: the inter-token latency does not grow with the context, "
+                "so these points cannot come from one stream of this model on one server"
+            )
+        if overhead < 0:
+            notes.append("the fit gave a negative per-step overhead; refitted through zero overhead")
+            overhead, inverse_bandwidth, fitted = 0.0, None, False
+    if inverse_bandwidth is None:
+        # Through the origin: minimise sum (t - b/bw)^2  =>  1/bw = sum(b·t) / sum(b²).
+        inverse_bandwidth = sum(p.read_bytes * p.itl_seconds for p in points) / sum(p.read_bytes**2 for p in points)
+    fitted_seconds = tuple(overhead + p.read_bytes * inverse_bandwidth for p in points)
+    return Calibration(
+        effective_bandwidth_bytes_per_second=1.0 / inverse_bandwidth,
+        step_overhead_seconds=overhead,
+        points=points,
+        fitted_seconds=fitted_seconds,
+        spread_ratio=spread,
+        tolerance=tolerance,
+        overhead_fitted=fitted,
+        notes=tuple(notes),
+    )
+
+
+def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Intercept and slope of the ordinary least-squares line through (xs, ys)."""
+    count = len(xs)
+    mean_x, mean_y = sum(xs) / count, sum(ys) / count
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+    slope = sxy / sxx
+    return mean_y - slope * mean_x, slope
+
+
+def single_stream_read_bytes(setup: ServingSetup, context_tokens: float) -> float:
+    """Bytes one step of a lone stream reads: what calibration divides by the measured gap."""
+    return predict_step(setup, [RequestGroup(1, context_tokens)]).read_bytes
