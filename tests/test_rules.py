@@ -1,0 +1,189 @@
+"""The alert and recording rules, checked with the real promtool and against DESIGN §3.
+
+promtool's own unit tests (tests/rules/*_test.yaml) prove each alert fires at the edge of its
+`for` and stays silent on threshold values; the mutation tests below prove those unit tests would
+notice if a threshold or a `for` drifted, so they cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.monitoring_support import (
+    ALERTS_FILE,
+    RECORDING_FILE,
+    REPO,
+    known_metrics,
+    metric_names,
+    recorded_names,
+)
+from tests.tools import require_tool
+
+RULE_TESTS = sorted((REPO / "tests" / "rules").glob("*_test.yaml"))
+RUNBOOK = REPO / "docs" / "runbook.md"
+
+# DESIGN §3 "Alerts": the names the daemon's alert loop shares.
+DESIGN_ALERTS = {
+    "StepBudgetPredictedStepOverBudget",
+    "StepBudgetMeasuredStepOverBudget",
+    "StepBudgetPredictionDrift",
+    "StepBudgetPrefillInterference",
+    "StepBudgetKVCacheNearlyFull",
+    "StepBudgetPreemptions",
+    "StepBudgetTargetDown",
+    "StepBudgetExporterAbsent",
+}
+# Request counts say nothing about step time; no alert may read them.
+REQUEST_COUNT_PATTERN = re.compile(r"requests?_(running|waiting|total)|num_requests|request_success")
+
+
+def _alerts() -> list[dict]:
+    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def _alert(name: str) -> dict:
+    return next(rule for rule in _alerts() if rule["alert"] == name)
+
+
+def _duration_minutes(text: str) -> int:
+    match = re.fullmatch(r"(\d+)m", text)
+    assert match, f"expected a whole number of minutes, got {text!r}"
+    return int(match.group(1))
+
+
+def test_rule_files_pass_promtool_lint() -> None:
+    promtool = require_tool("promtool")
+    result = subprocess.run(
+        [promtool, "check", "rules", "--lint=all", "--lint-fatal", str(ALERTS_FILE), str(RECORDING_FILE)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_unit_tests_pass() -> None:
+    promtool = require_tool("promtool")
+    assert RULE_TESTS, "no tests/rules/*_test.yaml"
+    result = subprocess.run([promtool, "test", "rules", *map(str, RULE_TESTS)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_design_alert_exists_and_nothing_else() -> None:
+    assert {rule["alert"] for rule in _alerts()} == DESIGN_ALERTS
+
+
+def test_the_page_is_predicted_step_over_budget_critical_for_five_minutes() -> None:
+    page = _alert("StepBudgetPredictedStepOverBudget")
+    assert page["labels"]["severity"] == "critical"
+    assert page["for"] == "5m"
+    assert metric_names(page["expr"]) == {"stepbudget_predicted_step_seconds", "stepbudget_step_budget_seconds"}
+    assert [r["alert"] for r in _alerts() if r["labels"]["severity"] == "critical"] == [page["alert"]]
+
+
+@pytest.mark.parametrize("name", sorted(DESIGN_ALERTS))
+def test_alert_annotations_and_runbook_section(name: str) -> None:
+    rule = _alert(name)
+    annotations = rule["annotations"]
+    assert set(annotations) == {"summary", "description", "runbook_url"}
+    assert annotations["summary"].endswith(".")
+    assert "$value" in annotations["description"] and "$labels." in annotations["description"]
+    assert annotations["runbook_url"].endswith(f"docs/runbook.md#{name.lower()}")
+    headings = re.findall(r"^## (\S+)\s*$", RUNBOOK.read_text(), flags=re.MULTILINE)
+    assert name in headings, f"docs/runbook.md has no '## {name}' section"
+    assert rule["labels"]["severity"] in {"critical", "warning"}
+
+
+@pytest.mark.parametrize("name", sorted(DESIGN_ALERTS - {"StepBudgetExporterAbsent"}))
+def test_per_target_alerts_drop_scrape_labels(name: str) -> None:
+    """Prometheus and the daemon must raise one alert, with one label set, not two."""
+    expr = _alert(name)["expr"]
+    for selector in metric_names(expr):
+        assert re.search(rf"max without \(instance, job\) \((\w+\()?{selector}\b", expr), (name, selector)
+
+
+def test_no_alert_reads_request_counts() -> None:
+    for rule in _alerts():
+        assert not REQUEST_COUNT_PATTERN.search(rule["expr"]), rule["alert"]
+
+
+def test_rules_read_only_exported_or_recorded_metrics() -> None:
+    known = known_metrics()
+    for path in (ALERTS_FILE, RECORDING_FILE):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                unknown = metric_names(rule["expr"]) - known
+                assert not unknown, (rule.get("alert") or rule.get("record"), unknown)
+
+
+def test_recording_rule_names_follow_level_metric_operation() -> None:
+    for name in recorded_names():
+        level, metric, operation = name.split(":")
+        assert level in {"target", "deployment_model_name"}, name
+        assert metric.startswith("stepbudget_") and operation, name
+
+
+def test_every_recording_rule_is_unit_tested() -> None:
+    tested = set()
+    for path in RULE_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            tested |= {check["expr"] for check in case.get("promql_expr_test", [])}
+    assert recorded_names() <= tested
+
+
+# --- mutation: the promtool unit tests must catch a drifted `for` or threshold -----------------
+
+def _run_unit_tests_against(promtool: str, alerts_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Copy the rule tests next to a mutated alerts file and run them."""
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "tests" / "rules").mkdir(parents=True)
+    (tmp_path / "rules" / ALERTS_FILE.name).write_text(alerts_text)
+    shutil.copy(RECORDING_FILE, tmp_path / "rules" / RECORDING_FILE.name)
+    copies = []
+    for path in RULE_TESTS:
+        copy = tmp_path / "tests" / "rules" / path.name
+        shutil.copy(path, copy)
+        copies.append(str(copy))
+    return subprocess.run([promtool, "test", "rules", *copies], capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize("name", sorted(DESIGN_ALERTS))
+def test_unit_tests_catch_a_for_one_minute_shorter(name: str, tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    document = yaml.safe_load(ALERTS_FILE.read_text())
+    rule = next(r for g in document["groups"] for r in g["rules"] if r["alert"] == name)
+    rule["for"] = f"{_duration_minutes(rule['for']) - 1}m"
+    result = _run_unit_tests_against(promtool, yaml.safe_dump(document, sort_keys=False), tmp_path)
+    assert result.returncode != 0, f"shortening {name}'s `for` went unnoticed"
+    assert name in result.stdout + result.stderr  # promtool names the failing alert
+
+
+# (alert, comparison as written, comparison one step looser or tighter at the threshold).
+# StepBudgetTargetDown has no threshold to move: target_up is 0 or 1; its `for` is mutated above.
+THRESHOLD_MUTATIONS = [
+    ("StepBudgetPredictedStepOverBudget", "(stepbudget_predicted_step_seconds)\n  >", "(stepbudget_predicted_step_seconds)\n  >="),
+    ("StepBudgetMeasuredStepOverBudget", "(stepbudget_measured_step_seconds)\n  >", "(stepbudget_measured_step_seconds)\n  >="),
+    ("StepBudgetPredictionDrift", "> 0.15", ">= 0.15"),
+    ("StepBudgetPrefillInterference", "<=", "<"),
+    ("StepBudgetKVCacheNearlyFull", "> 0.95", ">= 0.95"),
+    ("StepBudgetPreemptions", "> 0", ">= 0"),
+    ("StepBudgetExporterAbsent", "up == 0", "up <= 1"),
+]
+
+
+@pytest.mark.parametrize(("name", "old", "new"), THRESHOLD_MUTATIONS, ids=[m[0] for m in THRESHOLD_MUTATIONS])
+def test_unit_tests_catch_a_moved_threshold(name: str, old: str, new: str, tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    document = yaml.safe_load(ALERTS_FILE.read_text())
+    rule = next(r for g in document["groups"] for r in g["rules"] if r["alert"] == name)
+    flat = re.sub(r"\n\s+", "\n  ", rule["expr"])
+    assert old in flat, f"mutation anchor {old!r} not in {name}"
+    rule["expr"] = flat.replace(old, new, 1)
+    result = _run_unit_tests_against(promtool, yaml.safe_dump(document, sort_keys=False), tmp_path)
+    assert result.returncode != 0, f"{name}: {old!r} -> {new!r} went unnoticed"
