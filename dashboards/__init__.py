@@ -1,0 +1,1 @@
+"""Grafana dashboards built from code (see build.py); the JSON beside this file is generated."""

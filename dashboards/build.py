@@ -1,0 +1,372 @@
+"""Build stepbudget's Grafana dashboards from code and write them as JSON next to this file.
+
+`python -m dashboards.build` rewrites the committed JSON; `--check` only reports drift. The JSON is
+committed so that Grafana (and the Helm chart's dashboard ConfigMaps) need no Python, and a test
+fails when the committed JSON and this code disagree.
+
+Every per-target query takes `max without (instance, job)`, as the alert rules do, so a target
+polled by two exporter replicas draws one line, with the labels the alerts carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders.prometheus import Dataquery as PromQuery
+from grafana_foundation_sdk.builders.stat import Panel as Stat
+from grafana_foundation_sdk.builders.statetimeline import Panel as StateTimeline
+from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    DynamicConfigValue,
+    Threshold,
+    ThresholdsMode,
+    ValueMap,
+    ValueMappingResult,
+    VariableRefresh,
+    VariableSort,
+)
+
+OUTPUT_DIR = Path(__file__).resolve().parent
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+TAGS = ["stepbudget"]
+# Label matchers driven by the dashboard variables.
+POOL_SELECTOR = 'deployment=~"$deployment", model_name=~"$model"'
+TARGET_SELECTOR = POOL_SELECTOR + ', target=~"$target"'
+TOKENS_PER_SECOND = "suffix: tok/s"  # Grafana custom unit: no built-in tokens/s
+PANEL_HEIGHT = 8
+HALF, THIRD = 12, 8
+
+
+@dataclass(frozen=True)
+class Query:
+    """One PromQL query of a panel and the legend Grafana draws for it."""
+
+    expr: str
+    legend: str
+
+
+def per_target(metric: str, selector: str = TARGET_SELECTOR) -> str:
+    """A daemon metric per target, scrape labels dropped (one line per target, as alerts see it)."""
+    return f"max without (instance, job) ({metric}{{{selector}}})"
+
+
+def _targets(queries: Sequence[Query]) -> list[PromQuery]:
+    return [
+        PromQuery().expr(q.expr).legend_format(q.legend).ref_id(chr(ord("A") + i)).datasource(DATASOURCE)
+        for i, q in enumerate(queries)
+    ]
+
+
+def _limit_line() -> common_builders.GraphThresholdsStyleConfig:
+    """Thresholds drawn as a dashed line: used where a ratio crosses 1 (the budget)."""
+    return common_builders.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.DASHED)
+
+
+def _thresholds(limit: float | None) -> dash.ThresholdsConfig:
+    steps = [Threshold(value=None, color="green")]
+    if limit is not None:
+        steps.append(Threshold(value=limit, color="red"))
+    return dash.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps)
+
+
+def _dashed_red(regexp: str) -> tuple[str, list[DynamicConfigValue]]:
+    """Series whose legend matches `regexp` (the budget lines) are drawn dashed and red."""
+    return regexp, [
+        DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
+        DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+    ]
+
+
+def timeseries(
+    panel_id: int,
+    title: str,
+    unit: str,
+    description: str,
+    queries: Sequence[Query],
+    *,
+    width: int = HALF,
+    limit: float | None = None,
+    budget_legend: str | None = None,
+    min_value: float | None = None,
+) -> Timeseries:
+    """A time series panel with the project's defaults: unit, legend as a table, shared datasource."""
+    panel = (
+        Timeseries()
+        .id(panel_id)
+        .title(title)
+        .description(description)
+        .unit(unit)
+        .datasource(DATASOURCE)
+        .targets(_targets(queries))
+        .height(PANEL_HEIGHT)
+        .span(width)
+        .thresholds(_thresholds(limit))
+        .legend(common_builders.VizLegendOptions().display_mode(common.LegendDisplayMode.TABLE)
+                .placement(common.LegendPlacement.BOTTOM).show_legend(True).calcs(["lastNotNull", "max"]))
+        .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                 .sort(common.SortOrder.DESCENDING))
+    )
+    if limit is not None:
+        panel = panel.thresholds_style(_limit_line())
+    if budget_legend is not None:
+        panel = panel.override_by_regexp(*_dashed_red(budget_legend))
+    if min_value is not None:
+        panel = panel.min(min_value)
+    return panel
+
+
+def target_up_panel(panel_id: int) -> StateTimeline:
+    """Each target's reachability over time: 1 up (green), 0 down (red)."""
+    mapping = ValueMap(options={
+        "0": ValueMappingResult(text="down", color="red", index=0),
+        "1": ValueMappingResult(text="up", color="green", index=1),
+    })
+    return (
+        StateTimeline()
+        .id(panel_id)
+        .title("Target up")
+        .description("Whether the daemon's last poll of the target's metrics page succeeded "
+                     "(stepbudget_target_up). A target down for 5m raises StepBudgetTargetDown.")
+        .unit("none")
+        .datasource(DATASOURCE)
+        .targets(_targets([Query(per_target("stepbudget_target_up"), "{{target}}")]))
+        .mappings([mapping])
+        .thresholds(_thresholds(None))
+        .height(PANEL_HEIGHT)
+        .span(HALF)
+    )
+
+
+def query_variable(name: str, label: str, query: str) -> dash.QueryVariable:
+    """A multi-value variable over one label of stepbudget_target_up; All matches any value."""
+    return (
+        dash.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(query)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+    )
+
+
+def row(row_id: int, title: str) -> dash.Row:
+    """A row with an explicit id: the builder's default 0 would repeat on every row."""
+    return dash.Row(title).id(row_id)
+
+
+def _base(uid: str, title: str, description: str) -> dash.Dashboard:
+    return (
+        dash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(TAGS)
+        .refresh("30s")
+        .time("now-3h", "now")
+        .timezone("browser")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .with_variable(dash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(query_variable("deployment", "Deployment", "label_values(stepbudget_target_up, deployment)"))
+        .with_variable(query_variable(
+            "model", "Model", 'label_values(stepbudget_target_up{deployment=~"$deployment"}, model_name)'))
+    )
+
+
+def overview() -> dash.Dashboard:
+    """Per target: is every stream inside its speed budget, and if not, why."""
+    board = _base(
+        "stepbudget-overview",
+        "stepbudget / Overview",
+        "Per model server: predicted and measured step time against the speed budget, tokens in "
+        "flight against the token budget and KV capacity, and the signals behind each alert.",
+    ).with_variable(query_variable(
+        "target", "Target",
+        'label_values(stepbudget_target_up{deployment=~"$deployment", model_name=~"$model"}, target)'))
+    board = board.with_row(row(101, "Step time against the budget"))
+    board = board.with_panel(timeseries(
+        1, "Predicted vs measured step time", "s",
+        "Predicted step time (from tokens in flight and prefill), measured mean and median "
+        "inter-token latency, and the step budget (dashed red). Predicted above budget for 5m pages.",
+        [Query(per_target("stepbudget_predicted_step_seconds"), "{{target}} predicted"),
+         Query(per_target("stepbudget_measured_step_seconds"), "{{target}} measured mean"),
+         Query(per_target("stepbudget_measured_step_median_seconds"), "{{target}} measured median"),
+         Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
+        budget_legend=".* budget$", min_value=0))
+    board = board.with_panel(timeseries(
+        2, "Step time per budget", "percentunit",
+        "Predicted and measured step time as a share of the step budget; above 100% every stream "
+        "on the target is slower than its speed target.",
+        [Query(f'target:stepbudget_predicted_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} predicted"),
+         Query(f'target:stepbudget_measured_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} measured")],
+        limit=1, min_value=0))
+    board = board.with_panel(timeseries(
+        3, "Predicted memory vs compute step", "s",
+        "The two terms of the prediction: bytes read per step over bandwidth (memory) and FLOPs of "
+        "decode plus prefill tokens over compute. Compute above memory means prompt chunks set the pace.",
+        [Query(per_target("stepbudget_predicted_memory_step_seconds"), "{{target}} memory"),
+         Query(per_target("stepbudget_predicted_compute_step_seconds"), "{{target}} compute"),
+         Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
+        budget_legend=".* budget$", min_value=0))
+    board = board.with_panel(timeseries(
+        4, "Prediction error", "percentunit",
+        "(predicted - measured) / measured. Outside ±15% for 15m raises StepBudgetPredictionDrift: "
+        "refit with `stepbudget calibrate`.",
+        [Query(per_target("stepbudget_prediction_error_ratio"), "{{target}}")],
+        limit=0.15))
+    board = board.with_row(row(102, "Tokens in flight"))
+    board = board.with_panel(timeseries(
+        5, "Tokens in flight vs token budget and KV capacity", "short",
+        "Total context held by running requests, the most that fits the step budget (token budget, "
+        "dashed red) and the most the KV cache holds. Speed runs out at the budget, memory at capacity.",
+        [Query(per_target("stepbudget_tokens_in_flight"), "{{target}} in flight"),
+         Query(per_target("stepbudget_token_budget_tokens"), "{{target}} token budget"),
+         Query(per_target("stepbudget_kv_cache_capacity_tokens"), "{{target}} KV capacity")],
+        budget_legend=".* token budget$", min_value=0))
+    board = board.with_panel(timeseries(
+        6, "Token budget utilization", "percentunit",
+        "Tokens in flight as a share of the token budget. The chart's KEDA example scales replicas "
+        "on the pool's value of this ratio.",
+        [Query(per_target("stepbudget_token_budget_utilization_ratio"), "{{target}}")],
+        limit=1, min_value=0))
+    board = board.with_row(row(103, "Per-user speed"))
+    board = board.with_panel(timeseries(
+        7, "Per-user tokens/s vs target", TOKENS_PER_SECOND,
+        "Every decoding request gets one token per step: predicted and measured tokens/s per user, "
+        "and the speed at the step budget (target tokens/s divided by headroom, dashed red).",
+        [Query(per_target("stepbudget_predicted_user_tokens_per_second"), "{{target}} predicted"),
+         Query(f'target:stepbudget_measured_user_tokens_per_second:mean{{{TARGET_SELECTOR}}}', "{{target}} measured"),
+         Query(f"1 / {per_target('stepbudget_step_budget_seconds')}", "{{target}} speed at budget")],
+        budget_legend=".* speed at budget$", min_value=0))
+    board = board.with_panel(timeseries(
+        8, "Bytes read per step", "bytes",
+        "Weights read once per step plus every running request's KV cache.",
+        [Query(per_target("stepbudget_step_read_bytes"), "{{target}}")], min_value=0))
+    board = board.with_row(row(104, "Batch, cache and health"))
+    board = board.with_panel(timeseries(
+        9, "Prefill tokens per step", "short",
+        "Prompt tokens processed per engine step. High values with steps over budget while tokens "
+        "in flight fit mean prefill interference: lower max_num_batched_tokens.",
+        [Query(per_target("stepbudget_prefill_tokens_per_step"), "{{target}}")], width=THIRD, min_value=0))
+    board = board.with_panel(timeseries(
+        10, "Preemptions", "reqps",
+        "Requests preempted per second (5m rate): the server dropped their KV cache to make room.",
+        [Query(f'target:stepbudget_preemptions:rate5m{{{TARGET_SELECTOR}}}', "{{target}}")],
+        width=THIRD, min_value=0))
+    board = board.with_panel(timeseries(
+        11, "KV cache usage", "percentunit",
+        "Share of the KV cache in use. Above 95% for 10m raises StepBudgetKVCacheNearlyFull.",
+        [Query(per_target("stepbudget_kv_cache_usage_ratio"), "{{target}}")],
+        width=THIRD, limit=0.95, min_value=0).max(1))
+    board = board.with_panel(target_up_panel(12))
+    board = board.with_panel(timeseries(
+        13, "Effective bandwidth", "Bps",
+        "Memory bandwidth the model uses for this target, and where it came from (configured, "
+        "calibrated, or the default share of peak).",
+        [Query(per_target("stepbudget_effective_bandwidth_bytes_per_second"), "{{target}} ({{source}})")],
+        min_value=0))
+    return board
+
+
+def pools() -> dash.Dashboard:
+    """Per deployment and model: the pool's capacity in tokens in flight, from the recording rules."""
+    sel = POOL_SELECTOR
+    board = _base(
+        "stepbudget-pools",
+        "stepbudget / Pools",
+        "Per deployment and model (all replicas together): tokens in flight against the pool's token "
+        "budget and KV capacity, the worst replica's step time, and how many replicas are over budget.",
+    )
+    board = board.with_row(row(105, "Pool capacity"))
+    board = board.with_panel(timeseries(
+        1, "Pool tokens in flight vs token budget and KV capacity", "short",
+        "Sum over the pool's replicas. Adding a replica adds its token budget.",
+        [Query(f"deployment_model_name:stepbudget_tokens_in_flight:sum{{{sel}}}", "{{deployment}} in flight"),
+         Query(f"deployment_model_name:stepbudget_token_budget_tokens:sum{{{sel}}}", "{{deployment}} token budget"),
+         Query(f"deployment_model_name:stepbudget_kv_cache_capacity_tokens:sum{{{sel}}}", "{{deployment}} KV capacity")],
+        budget_legend=".* token budget$", min_value=0))
+    board = board.with_panel(timeseries(
+        2, "Pool token budget utilization", "percentunit",
+        "Pool tokens in flight per pool token budget: the signal the KEDA example scales on.",
+        [Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}", "{{deployment}}")],
+        limit=1, min_value=0))
+    board = board.with_panel(timeseries(
+        3, "Pool KV cache usage", "percentunit",
+        "Pool tokens in flight per pool KV capacity.",
+        [Query(f"deployment_model_name:stepbudget_kv_cache_usage:ratio{{{sel}}}", "{{deployment}}")],
+        limit=0.95, min_value=0).max(1))
+    board = board.with_panel(timeseries(
+        4, "Worst step time vs budget", "s",
+        "The slowest replica's predicted and measured step time against the tightest step budget.",
+        [Query(f"deployment_model_name:stepbudget_predicted_step_seconds:max{{{sel}}}", "{{deployment}} predicted (max)"),
+         Query(f"deployment_model_name:stepbudget_measured_step_seconds:max{{{sel}}}", "{{deployment}} measured (max)"),
+         Query(f"deployment_model_name:stepbudget_step_budget_seconds:min{{{sel}}}", "{{deployment}} budget")],
+        budget_legend=".* budget$", min_value=0))
+    board = board.with_row(row(106, "Replicas"))
+    board = board.with_panel(timeseries(
+        5, "Targets over budget", "none",
+        "Replicas whose predicted step is over budget, replicas reachable, and all replicas.",
+        [Query(f"deployment_model_name:stepbudget_targets_over_budget:sum{{{sel}}}", "{{deployment}} over budget"),
+         Query(f"deployment_model_name:stepbudget_targets_up:sum{{{sel}}}", "{{deployment}} up"),
+         Query(f"deployment_model_name:stepbudget_targets:count{{{sel}}}", "{{deployment}} total")],
+        min_value=0))
+    board = board.with_panel(timeseries(
+        6, "Pool preemptions", "reqps",
+        "Requests preempted per second over the pool (5m rate).",
+        [Query(f"deployment_model_name:stepbudget_preemptions:rate5m{{{sel}}}", "{{deployment}}")],
+        min_value=0))
+    board = board.with_panel(
+        Stat().id(7).title("Pool token budget utilization now").unit("percentunit").datasource(DATASOURCE)
+        .description("Latest pool utilization per deployment and model; red at 100%.")
+        .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",
+                                 "{{deployment}} / {{model_name}}")]))
+        .thresholds(_thresholds(1)).height(PANEL_HEIGHT).span(24))
+    return board
+
+
+DASHBOARDS: dict[str, Callable[[], dash.Dashboard]] = {
+    "stepbudget-overview": overview,
+    "stepbudget-pools": pools,
+}
+
+
+def render(builder: dash.Dashboard) -> str:
+    """The dashboard as the committed JSON text (sorted keys, stable across runs)."""
+    return JSONEncoder(sort_keys=True, indent=2).encode(builder.build()) + "\n"
+
+
+def rendered() -> dict[Path, str]:
+    """Every dashboard file this module produces, by path."""
+    return {OUTPUT_DIR / f"{name}.json": render(build()) for name, build in DASHBOARDS.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboards.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a committed JSON file differs")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in rendered().items():
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"dashboards out of date: {', '.join(stale)}; run `make dashboards`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
