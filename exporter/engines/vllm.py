@@ -1,0 +1,90 @@
+"""vLLM's /metrics page (V0, V1 and current releases) -> one Snapshot per (model_name, engine).
+
+Facts and their sources: shared/reference/vllm_metrics/REPORT.md §a (names, renames, labels).
+- `vllm:kv_cache_usage_perc` is a 0-1 fraction despite its name; before 0.9.2 it was
+  `vllm:gpu_cache_usage_perc` (both exported 0.9.2-0.10.x, old one gone from 0.12).
+- ITL histogram `vllm:inter_token_latency_seconds`; before 0.10.2 `vllm:time_per_output_token_seconds`
+  (gone from 0.13). While both existed they held the same observations; ITL is preferred.
+- Engine steps: the `_count` of the `vllm:iteration_tokens_total` histogram (one observation per step).
+- Capacity: labels of `vllm:cache_config_info`, which has no `model_name` (one series per engine):
+  `kv_cache_size_tokens` on the newest servers (group-aware, right for hybrid models), else
+  `num_gpu_blocks * block_size`. Label values are strings and may be "None".
+"""
+
+from __future__ import annotations
+
+from exporter.engines.exposition import PageScan, parse_value
+from exporter.engines.families import Adapter, EngineLabels, FamilySpec, Identity, Selection
+
+CACHE_CONFIG = "vllm:cache_config_info"
+
+SPECS = (
+    FamilySpec("requests_running", ("vllm:num_requests_running",), "gauge"),
+    FamilySpec("requests_waiting", ("vllm:num_requests_waiting",), "gauge"),
+    FamilySpec("kv_cache_usage_ratio", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "gauge"),
+    FamilySpec(
+        "inter_token_latency",
+        ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        "histogram",
+    ),
+    FamilySpec("prompt_tokens_total", ("vllm:prompt_tokens_total",), "counter"),
+    FamilySpec("generation_tokens_total", ("vllm:generation_tokens_total",), "counter"),
+    FamilySpec("preemptions_total", ("vllm:num_preemptions_total",), "counter"),
+    FamilySpec("engine_steps_total", ("vllm:iteration_tokens_total_count",), "counter"),
+)
+
+
+def _positive_number(labels: dict[str, str], name: str) -> float | None:
+    raw = labels.get(name)
+    value = parse_value(raw.strip()) if raw is not None else None
+    return value if value is not None and 0 < value < float("inf") else None
+
+
+def capacity_from_cache_config(labels: dict[str, str]) -> tuple[float | None, int | None]:
+    """(capacity tokens, block size) from one `vllm:cache_config_info` label set."""
+    block_size = _positive_number(labels, "block_size")
+    block_size_tokens = int(block_size) if block_size is not None and block_size.is_integer() else None
+    size_tokens = _positive_number(labels, "kv_cache_size_tokens")
+    if size_tokens is not None:
+        return size_tokens, block_size_tokens
+    blocks = _positive_number(labels, "num_gpu_blocks")
+    if blocks is None or block_size is None:
+        return None, block_size_tokens
+    return blocks * block_size, block_size_tokens
+
+
+def _apply_cache_config(scan: PageScan, selection: Selection, who_all: list[Identity]) -> None:
+    series = [labels for labels, value in scan.samples.get(CACHE_CONFIG, ())]
+    for who in who_all:
+        engine = who[1]
+        mine = [labels for labels in series if labels.get("engine") == engine]
+        mine = mine or [labels for labels in series if "engine" not in labels]
+        values, missing = selection.values[who], selection.missing[who]
+        if not mine:
+            missing["kv_cache_capacity_tokens"] = f"no {CACHE_CONFIG} for engine {engine} (engine not initialised yet?)"
+            missing["block_size_tokens"] = missing["kv_cache_capacity_tokens"]
+            continue
+        readings = {capacity_from_cache_config(labels) for labels in mine}
+        if len(readings) > 1:
+            selection.problems.append(f"{CACHE_CONFIG} disagrees with itself for engine {engine}: took the first")
+        capacity, block_size = capacity_from_cache_config(mine[0])
+        if capacity is None:
+            missing["kv_cache_capacity_tokens"] = (
+                f"{CACHE_CONFIG} for engine {engine} has neither kv_cache_size_tokens nor num_gpu_blocks and block_size"
+            )
+        else:
+            values["kv_cache_capacity_tokens"] = capacity
+        if block_size is None:
+            missing["block_size_tokens"] = f"{CACHE_CONFIG} for engine {engine} has no integer block_size"
+        else:
+            values["block_size_tokens"] = block_size
+
+
+ADAPTER = Adapter(
+    kind="vllm",
+    specs=SPECS,
+    roles=EngineLabels(model=("model_name",), engine="engine"),
+    not_offered=(("tokens_in_flight", "vLLM reports no used-token count: usage ratio x capacity"),),
+    extra_names=(CACHE_CONFIG,),
+    finish=_apply_cache_config,
+)
