@@ -142,16 +142,15 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
         if not line or line[0] == "#":
             continue
         match = _NAME_RE.match(line)
-        if match is None:
-            if line[0] != "{":  # `{"utf8.name",...}` is valid in new formats, just never wanted
-                scan.malformed_lines += 1
-                first_bad = first_bad or number
+        if match is None:  # includes `{"utf8.name"}` lines: only sent to clients that ask for them
+            scan.malformed_lines += 1
+            first_bad = first_bad or number
             continue
         name, end = match.group(), match.end()
         if name in wanted:
             ok = _read_sample(line, end, name, scan, seen)
-        else:
-            ok = end < len(line) and line[end] in "{ \t"
+        else:  # cheap check only: a name, then labels or a space, and a number at the end
+            ok = end < len(line) and line[end] in "{ \t" and _VALUE_RE.fullmatch(line.rsplit(None, 1)[-1]) is not None
         if ok:
             scan.sample_lines += 1
         else:

@@ -1,0 +1,148 @@
+"""The Prometheus text reader: exact names, label escapes, garbage, truncation, and no stray exceptions."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from exporter.engines import PageError, read_page
+from exporter.engines.exposition import histogram_from_samples, parse_labels, parse_value, scan_page
+
+DATA = Path(__file__).parent / "data"
+REAL_PAGE = (DATA / "vllm" / "vllm_v1_RECONSTRUCTED_single_process.txt").read_text()
+
+
+def test_selects_exact_sample_names_only() -> None:
+    page = (
+        'vllm:prompt_tokens_total{model_name="m"} 10.0\n'
+        'vllm:prompt_tokens_cached_total{model_name="m"} 7.0\n'
+        'vllm:prompt_tokens_by_source_total{model_name="m",source="local"} 3.0\n'
+        'vllm:prompt_tokens_created{model_name="m"} 1.7959705e+09\n'
+    )
+    scan = scan_page(page, frozenset({"vllm:prompt_tokens_total"}))
+    assert scan.samples == {"vllm:prompt_tokens_total": [({"model_name": "m"}, 10.0)]}
+    assert scan.sample_lines == 4  # the others are read as samples, just not kept
+
+
+def test_label_values_with_escapes_commas_braces_and_unicode() -> None:
+    # On the wire: \" is a quote, \\ a backslash, \n a newline; , and } inside quotes are plain text.
+    line = 'm{a="say \\"hi\\"",b="C:\\\\dir",c="two\\nlines",d="x,y}z",e="Grüße ✓"} 1.5'
+    labels, end = parse_labels(line, 1)
+    assert labels == {"a": 'say "hi"', "b": "C:\\dir", "c": "two\nlines", "d": "x,y}z", "e": "Grüße ✓"}
+    assert line[end:] == " 1.5"
+
+
+def test_label_sets_tolerate_spacing_trailing_comma_and_any_order() -> None:
+    page = 'x{ b = "2" , a="1", } 3 1712345678000\nx{} 4\nx 5\n'
+    scan = scan_page(page, frozenset({"x"}))
+    assert [labels for labels, _ in scan.samples["x"]] == [{"b": "2", "a": "1"}, {}]
+    # the timestamp is ignored, and the duplicate unlabelled series keeps the last value
+    assert [value for _, value in scan.samples["x"]] == [3.0, 5.0]
+    assert any("duplicate series" in problem for problem in scan.problems)
+
+
+@pytest.mark.parametrize(
+    "token, expected",
+    [("NaN", math.nan), ("+Inf", math.inf), ("-Inf", -math.inf), ("1.5e+09", 1.5e9), ("-2", -2.0), (".5", 0.5)],
+)
+def test_values_as_prometheus_writes_them(token: str, expected: float) -> None:
+    value = parse_value(token)
+    assert value is not None
+    assert (math.isnan(value) and math.isnan(expected)) or value == expected
+
+
+@pytest.mark.parametrize("token", ["1_000", "infinity", "0x10", "abc", ""])
+def test_values_python_accepts_but_prometheus_does_not_write(token: str) -> None:
+    assert parse_value(token) is None
+
+
+def test_malformed_lines_are_skipped_and_counted() -> None:
+    page = 'good{a="1"} 1\nbad{a="1" 2\n$ curl http://x/metrics\ngood{a="2"} 3\n'
+    scan = scan_page(page, frozenset({"good", "bad"}))
+    assert [value for _, value in scan.samples["good"]] == [1.0, 3.0]
+    assert "bad" not in scan.samples
+    assert scan.malformed_lines == 2
+    assert scan.problems == ["2 malformed line(s) skipped (first at line 2)"]
+
+
+def test_last_line_without_newline_is_dropped_as_cut_off() -> None:
+    # "0.125" cut to "0.12" would be misread; a page ends with a newline, so the stub is dropped.
+    scan = scan_page('u{e="0"} 1\nu{e="1"} 0.12', frozenset({"u"}))
+    assert scan.samples["u"] == [({"e": "0"}, 1.0)]
+    assert any("truncated" in problem for problem in scan.problems)
+
+
+@pytest.mark.parametrize(
+    "page, reason",
+    [
+        ("", "empty page"),
+        ("  \n\n", "empty page"),
+        ("<!DOCTYPE html><html><body>502 Bad Gateway</body></html>", "not Prometheus text"),
+        ("\n  <html><head></head></html>", "not Prometheus text"),
+        ("\x1f\x8b\x08\x00\x00\x00\x00\x00" + "garbage" * 10, "not Prometheus text"),
+        ('{"error": "not found"}\n', "not Prometheus text"),
+        ("process_open_fds 6.0\n", "no known engine metrics"),
+        ("Not Found\n", "not Prometheus text"),
+    ],
+)
+def test_unusable_pages_raise_page_error_with_a_reason(page: str, reason: str) -> None:
+    with pytest.raises(PageError) as caught:
+        read_page(page)
+    assert caught.value.reason == reason
+
+
+def test_bytes_with_invalid_utf8_are_garbage_not_a_crash() -> None:
+    with pytest.raises(PageError) as caught:
+        read_page(bytes(range(256)) * 4)  # type: ignore[arg-type]
+    assert caught.value.reason == "not Prometheus text"
+
+
+def test_unknown_engine_kind_is_a_page_error() -> None:
+    with pytest.raises(PageError) as caught:
+        read_page(REAL_PAGE, kind="trtllm")
+    assert caught.value.reason == "unknown engine kind"
+
+
+def test_histogram_checks() -> None:
+    inf = math.inf
+    complete, why = histogram_from_samples([(inf, 4.0), (0.1, 1.0), (0.2, 3.0)], 4.0, 0.5)
+    assert why == "" and complete is not None
+    assert complete.buckets == ((0.1, 1.0), (0.2, 3.0), (inf, 4.0))  # sorted by edge
+    assert histogram_from_samples([(0.1, 1.0), (0.2, 3.0)], 4.0, 0.5)[1].startswith("incomplete (no +Inf")
+    assert histogram_from_samples([(0.1, 1.0), (inf, 4.0)], None, 0.5)[1].startswith("incomplete (no _count")
+    assert histogram_from_samples([(0.1, 3.0), (0.2, 1.0), (inf, 4.0)], 4.0, 0.5)[1] == "buckets are not cumulative"
+    assert "differs from _count" in histogram_from_samples([(0.1, 1.0), (inf, 4.0)], 5.0, 0.5)[1]
+    assert "NaN" in histogram_from_samples([(0.1, math.nan), (inf, 4.0)], 4.0, 0.5)[1]
+    assert "NaN" in histogram_from_samples([(0.1, 1.0), (inf, 4.0)], 4.0, inf)[1]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(max_size=400))
+def test_fuzz_any_text_gives_a_reading_or_page_error(text: str) -> None:
+    try:
+        reading = read_page(text)
+    except PageError as error:
+        assert error.reason
+        return
+    assert reading.kind in ("vllm", "sglang", "tgi")
+
+
+@settings(max_examples=200, deadline=None)
+@given(cut=st.integers(min_value=0, max_value=len(REAL_PAGE)), flips=st.lists(st.tuples(st.integers(0, len(REAL_PAGE) - 1), st.characters()), max_size=6))
+def test_fuzz_cut_and_corrupted_real_pages(cut: int, flips: list[tuple[int, str]]) -> None:
+    chars = list(REAL_PAGE[:cut])
+    for position, char in flips:
+        if position < len(chars):
+            chars[position] = char
+    try:
+        reading = read_page("".join(chars))
+    except PageError:
+        return
+    for snapshot in reading.snapshots:
+        for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "prompt_tokens_total"):
+            value = getattr(snapshot, name)
+            assert value is None or (math.isfinite(value) and value >= 0)
