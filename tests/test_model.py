@@ -1,0 +1,316 @@
+"""Golden tests for DESIGN §1's reference numbers and tests of each piece of the physics.
+
+Every expected value is computed here from the inputs (layers, heads, bytes, bandwidth), then also
+compared with the rounded figure the worked examples quote.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter import model
+from exporter.deployment import build_setup
+from exporter.errors import InputError
+from exporter.model import Architecture, CalibrationPoint, RequestGroup
+from exporter.presets import MODELS, get_model_preset
+
+KIB = 1024
+H100_PEAK_BYTES_PER_SECOND = 3.35e12
+H100_BF16_DENSE_FLOPS = 989.4e12
+QWEN3_8B_PARAMS = 8.19e9
+
+
+def qwen3_setup(**overrides: object) -> model.ServingSetup:
+    return build_setup(get_model_preset("qwen3-8b"), "h100-sxm", **overrides).setup  # type: ignore[arg-type]
+
+
+# --- Qwen3-8B bf16 on an H100 SXM at 60% of 3.35 TB/s ------------------------------------------
+
+QWEN3_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads, head_dim 128, bf16
+QWEN3_WEIGHT_BYTES = QWEN3_8B_PARAMS * 2
+EFFECTIVE_BANDWIDTH = 0.6 * H100_PEAK_BYTES_PER_SECOND
+
+
+def test_qwen3_kv_bytes_per_token_is_144_kib() -> None:
+    arch = get_model_preset("qwen3-8b")
+    assert model.kv_bytes_per_token(arch, 2.0) == QWEN3_KV_BYTES_PER_TOKEN
+    assert QWEN3_KV_BYTES_PER_TOKEN == 144 * KIB
+
+
+def test_qwen3_one_user_alone_gets_about_122_tokens_per_second() -> None:
+    expected = EFFECTIVE_BANDWIDTH / (QWEN3_WEIGHT_BYTES + QWEN3_KV_BYTES_PER_TOKEN * 1)
+    got = model.predict_step(qwen3_setup(), [RequestGroup(1, 1)]).user_tokens_per_second
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got == pytest.approx(122, rel=0.01)
+
+
+def test_qwen3_forty_chats_of_2000_tokens_get_about_71_tokens_per_second() -> None:
+    read_bytes = QWEN3_WEIGHT_BYTES + 40 * 2000 * QWEN3_KV_BYTES_PER_TOKEN
+    step = model.predict_step(qwen3_setup(), [RequestGroup(40, 2000)])
+    assert step.read_bytes == pytest.approx(read_bytes)
+    assert step.user_tokens_per_second == pytest.approx(EFFECTIVE_BANDWIDTH / read_bytes, rel=1e-9)
+    assert step.user_tokens_per_second == pytest.approx(71, rel=0.01)
+
+
+def test_two_agent_sessions_of_100000_tokens_halve_everyones_speed_to_about_35() -> None:
+    read_bytes = QWEN3_WEIGHT_BYTES + (40 * 2000 + 2 * 100_000) * QWEN3_KV_BYTES_PER_TOKEN
+    step = model.predict_step(qwen3_setup(), [RequestGroup(40, 2000), RequestGroup(2, 100_000)])
+    assert step.tokens_in_flight == 280_000
+    assert step.user_tokens_per_second == pytest.approx(EFFECTIVE_BANDWIDTH / read_bytes, rel=1e-9)
+    assert step.user_tokens_per_second == pytest.approx(35, rel=0.02)
+
+
+def test_token_budget_at_50_tokens_per_second_with_headroom_is_about_134000() -> None:
+    step_budget = 0.9 / 50
+    expected = (step_budget * EFFECTIVE_BANDWIDTH - QWEN3_WEIGHT_BYTES) / QWEN3_KV_BYTES_PER_TOKEN
+    assert model.step_budget_seconds(50, 0.9) == pytest.approx(step_budget)
+    got = model.token_budget_tokens(qwen3_setup(), step_budget)
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got == pytest.approx(134_000, rel=0.01)
+
+
+def test_kv_capacity_at_90_percent_of_80_gb_is_about_377000() -> None:
+    cache_bytes = 80e9 * 0.9 - QWEN3_WEIGHT_BYTES
+    expected = math.floor(cache_bytes / (QWEN3_KV_BYTES_PER_TOKEN * 16)) * 16
+    got = model.kv_capacity_tokens(qwen3_setup(gpu_memory_utilization=0.9))
+    assert got == expected
+    assert got == pytest.approx(377_000, rel=0.01)
+
+
+def test_a_2048_token_prefill_chunk_in_every_step_drops_forty_chats_to_about_15() -> None:
+    compute_seconds = 2 * QWEN3_8B_PARAMS * (40 + 2048) / (0.5 * H100_BF16_DENSE_FLOPS)
+    step = model.predict_step(qwen3_setup(), [RequestGroup(40, 2000)], prefill_tokens_per_step=2048)
+    assert step.compute_seconds == pytest.approx(compute_seconds, rel=1e-9)
+    assert step.compute_seconds > step.memory_seconds
+    assert step.user_tokens_per_second == pytest.approx(1 / compute_seconds, rel=1e-9)
+    assert step.user_tokens_per_second == pytest.approx(15, rel=0.05)
+
+
+# --- Llama-3.1-8B fp16 -------------------------------------------------------------------------
+
+LLAMA_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+
+
+def test_llama_31_8b_kv_bytes_per_token_is_128_kib_and_250_mib_per_2000_token_request() -> None:
+    arch = get_model_preset("llama-3.1-8b")
+    assert model.kv_bytes_per_token(arch, 2.0) == LLAMA_KV_BYTES_PER_TOKEN == 128 * KIB
+    per_request = model.sequence_cache_bytes(arch, 2000, 2.0)
+    assert per_request == 2000 * LLAMA_KV_BYTES_PER_TOKEN  # 2,000 is 125 whole blocks of 16
+    assert per_request / 2**20 == pytest.approx(250, rel=0.01)
+
+
+def test_52_gb_of_cache_holds_about_200_sequences_at_2000_and_50_at_8000() -> None:
+    arch = get_model_preset("llama-3.1-8b")
+    cache_bytes = 52e9
+    weights = arch.params * 2
+    # A setup whose cache is exactly 52 GB: 90% of 80 GB minus the weights minus the reserve.
+    setup = build_setup(arch, "h100-sxm", weight_dtype="fp16",
+                        reserved_memory_bytes=80e9 * 0.9 - weights - cache_bytes).setup
+    assert model.kv_cache_bytes(setup) == pytest.approx(cache_bytes)
+    at_2000 = math.floor(cache_bytes / (2000 * LLAMA_KV_BYTES_PER_TOKEN))
+    at_8000 = math.floor(cache_bytes / (8000 * LLAMA_KV_BYTES_PER_TOKEN))
+    assert model.max_concurrency(setup, 2000) == at_2000
+    assert model.max_concurrency(setup, 8000) == at_8000
+    assert at_2000 == pytest.approx(200, rel=0.02)
+    assert at_8000 == pytest.approx(50, rel=0.03)
+
+
+def test_a_1001_token_sequence_holds_63_blocks_of_16() -> None:
+    assert model.blocks_for_tokens(1001, 16) == math.ceil(1001 / 16) == 63
+    arch = get_model_preset("llama-3.1-8b")
+    assert model.sequence_cache_bytes(arch, 1001, 2.0) == 63 * 16 * LLAMA_KV_BYTES_PER_TOKEN
+
+
+# --- the pieces of the physics -----------------------------------------------------------------
+
+
+def test_gqa_uses_key_value_heads_not_attention_heads() -> None:
+    gqa = get_model_preset("llama-3.1-8b")
+    mha = replace(gqa, kv_heads=gqa.attention_heads)
+    assert model.kv_bytes_per_token(mha, 2.0) == 2 * 32 * 32 * 128 * 2
+    assert model.kv_bytes_per_token(mha, 2.0) / model.kv_bytes_per_token(gqa, 2.0) == 32 / 8
+
+
+def test_head_dim_is_used_as_given() -> None:
+    arch = get_model_preset("gemma-3-27b")  # head_dim 128 although hidden / heads = 168
+    assert model.kv_bytes_per_token(arch, 2.0) == 2 * 62 * 16 * 128 * 2
+
+
+def test_fp8_kv_cache_halves_the_kv_term_only() -> None:
+    loads = [RequestGroup(40, 2000)]
+    bf16 = model.predict_step(qwen3_setup(), loads)
+    fp8 = model.predict_step(qwen3_setup(kv_cache_dtype="fp8"), loads)
+    assert fp8.kv_read_bytes == bf16.kv_read_bytes / 2
+    assert fp8.weight_read_bytes == bf16.weight_read_bytes
+    assert model.kv_capacity_tokens(qwen3_setup(kv_cache_dtype="fp8")) == pytest.approx(
+        2 * model.kv_capacity_tokens(qwen3_setup()), abs=16)
+
+
+def test_weight_quantization_leaves_the_kv_term_untouched() -> None:
+    loads = [RequestGroup(40, 2000)]
+    bf16 = model.predict_step(qwen3_setup(), loads)
+    int4 = model.predict_step(qwen3_setup(weight_dtype="awq"), loads)
+    assert int4.weight_read_bytes == QWEN3_8B_PARAMS * 0.5
+    assert int4.kv_read_bytes == bf16.kv_read_bytes
+
+
+def test_mla_caches_one_latent_plus_rotary_key_per_layer_with_no_factor_two() -> None:
+    arch = get_model_preset("deepseek-v3")
+    expected = 61 * (512 + 64) * 2
+    assert model.kv_bytes_per_token(arch, 2.0) == expected
+    # Every TP rank holds the whole latent: tensor parallelism does not split it.
+    assert model.kv_bytes_per_token(arch, 2.0, tensor_parallel=8) == expected
+
+
+def test_sliding_window_layers_hold_at_most_the_window() -> None:
+    mistral = get_model_preset("mistral-7b")  # every layer slides, window 4096
+    per_layer = 2 * 8 * 128 * 2
+    assert model.kv_bytes_for_context(mistral, 1000, 2.0) == 32 * per_layer * 1000
+    assert model.kv_bytes_for_context(mistral, 10_000, 2.0) == 32 * per_layer * 4096
+    gemma = get_model_preset("gemma-3-27b")  # 52 sliding layers at 1024, 10 full
+    gemma_layer = 2 * 16 * 128 * 2
+    for context in (500, 1024, 30_000):
+        expected = gemma_layer * (10 * context + 52 * min(context, 1024))
+        assert model.kv_bytes_for_context(gemma, context, 2.0) == expected
+
+
+def test_moe_expected_distinct_experts_follows_the_coverage_formula() -> None:
+    experts, k = 128, 8
+    for tokens in (1, 2, 16, 100):
+        assert model.expected_distinct_experts(experts, k, tokens) == pytest.approx(
+            experts * (1 - (1 - k / experts) ** tokens))
+    assert model.expected_distinct_experts(experts, k, 1) == pytest.approx(k)
+    assert model.expected_distinct_experts(experts, k, 0) == 0
+
+
+def test_small_moe_batches_read_far_less_than_the_whole_model() -> None:
+    arch = get_model_preset("qwen3-30b-a3b")
+    shared = arch.params - arch.routed_expert_params
+    one_token = model.weight_read_bytes(arch, 2.0, 1)
+    assert one_token == pytest.approx((shared + arch.routed_expert_params * 8 / 128) * 2)
+    assert one_token < 0.15 * model.weight_bytes(arch, 2.0)
+    big_batch = model.weight_read_bytes(arch, 2.0, 1000)
+    assert big_batch == pytest.approx(model.weight_bytes(arch, 2.0), rel=1e-3)
+
+
+def test_tensor_parallel_splits_weights_and_kv_heads_down_to_one_head_per_gpu() -> None:
+    arch = get_model_preset("llama-3.1-8b")  # 8 KV heads
+    assert model.weight_bytes(arch, 2.0, 4) == arch.params * 2 / 4
+    assert model.kv_bytes_per_token(arch, 2.0, 2) == 2 * 32 * (8 / 2) * 128 * 2
+    assert model.kv_bytes_per_token(arch, 2.0, 16) == 2 * 32 * 1 * 128 * 2  # max(1, 8/16)
+
+
+def test_step_is_overhead_plus_the_larger_of_memory_and_compute() -> None:
+    setup = qwen3_setup(step_overhead_seconds=0.002)
+    memory_bound = model.predict_step(setup, [RequestGroup(10, 1000)])
+    assert memory_bound.step_seconds == pytest.approx(0.002 + memory_bound.memory_seconds)
+    compute_bound = model.predict_step(setup, [RequestGroup(10, 1000)], prefill_tokens_per_step=8192)
+    assert compute_bound.compute_seconds > compute_bound.memory_seconds
+    assert compute_bound.step_seconds == pytest.approx(0.002 + compute_bound.compute_seconds)
+
+
+def test_closed_form_and_numeric_budget_agree_for_a_plain_model() -> None:
+    setup = qwen3_setup()
+    step_budget = model.step_budget_seconds(50, 0.9)
+    closed = model.token_budget_tokens(setup, step_budget)
+    numeric = model.token_budget_tokens(setup, step_budget, context_tokens_per_request=2000)
+    assert numeric == pytest.approx(closed, abs=1.0)
+
+
+def test_budget_is_zero_when_the_model_alone_misses_the_target() -> None:
+    setup = qwen3_setup()
+    weights_alone_seconds = QWEN3_WEIGHT_BYTES / EFFECTIVE_BANDWIDTH
+    target = 1.5 / weights_alone_seconds  # a step budget of 0.9/target is shorter than reading the weights
+    step_budget = model.step_budget_seconds(target, 0.9)
+    assert step_budget < weights_alone_seconds
+    assert model.token_budget_tokens(setup, step_budget) == 0
+    assert model.token_budget_tokens(setup, step_budget, context_tokens_per_request=2000) == 0
+
+
+def test_sliding_window_and_moe_budgets_need_a_context() -> None:
+    setup = build_setup(get_model_preset("gemma-3-27b"), "h200").setup
+    with pytest.raises(InputError, match="context"):
+        model.token_budget_tokens(setup, 0.018)
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+
+def test_calibration_with_one_point_divides_bytes_by_the_gap() -> None:
+    read_bytes = QWEN3_WEIGHT_BYTES + 2000 * QWEN3_KV_BYTES_PER_TOKEN
+    result = model.calibrate([CalibrationPoint(0.009, 2000, read_bytes)])
+    assert result.effective_bandwidth_bytes_per_second == pytest.approx(read_bytes / 0.009)
+    assert result.step_overhead_seconds == 0
+    assert not result.overhead_fitted
+    assert result.agrees
+
+
+def test_calibration_with_two_points_fits_bandwidth_and_overhead() -> None:
+    bandwidth, overhead = 2.2e12, 0.0015
+    reads = [QWEN3_WEIGHT_BYTES + c * QWEN3_KV_BYTES_PER_TOKEN for c in (500, 60_000)]
+    points = [CalibrationPoint(overhead + r / bandwidth, c, r) for r, c in zip(reads, (500, 60_000))]
+    result = model.calibrate(points)
+    assert result.overhead_fitted
+    assert result.effective_bandwidth_bytes_per_second == pytest.approx(bandwidth, rel=1e-9)
+    assert result.step_overhead_seconds == pytest.approx(overhead, rel=1e-6)
+    assert all(abs(r) < 1e-9 for r in result.residual_ratios)
+    # Each point's own bandwidth (overhead included in its gap) differs: the spread says by how much.
+    own = [r / (overhead + r / bandwidth) for r in reads]
+    assert result.spread_ratio == pytest.approx(max(own) / min(own) - 1)
+
+
+def test_calibration_flags_points_that_disagree() -> None:
+    reads = [QWEN3_WEIGHT_BYTES + c * QWEN3_KV_BYTES_PER_TOKEN for c in (1000, 100_000)]
+    # The long stream is twice as slow per byte as the short one.
+    points = [CalibrationPoint(reads[0] / 2e12, 1000, reads[0]), CalibrationPoint(reads[1] / 1e12, 100_000, reads[1])]
+    result = model.calibrate(points)
+    assert result.spread_ratio == pytest.approx(1.0)
+    assert not result.agrees
+
+
+# --- properties --------------------------------------------------------------------------------
+
+PRESET_NAMES = sorted(MODELS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(PRESET_NAMES),
+    tokens=st.floats(min_value=1, max_value=2e6),
+    more_tokens=st.floats(min_value=0, max_value=2e6),
+    requests=st.integers(min_value=1, max_value=512),
+    more_requests=st.integers(min_value=0, max_value=512),
+)
+def test_step_time_never_decreases_as_tokens_in_flight_grow(
+    name: str, tokens: float, more_tokens: float, requests: int, more_requests: int
+) -> None:
+    setup = build_setup(get_model_preset(name), "h100-sxm", tensor_parallel=8 if name == "deepseek-v3" else 1).setup
+    smaller = model.predict_step(setup, model.groups_from_total(tokens, requests))
+    larger = model.predict_step(setup, model.groups_from_total(tokens + more_tokens, requests + more_requests))
+    assert larger.step_seconds >= smaller.step_seconds * (1 - 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(PRESET_NAMES),
+    target=st.floats(min_value=5, max_value=200),
+    context=st.floats(min_value=100, max_value=200_000),
+)
+def test_the_budget_fits_its_step_budget(name: str, target: float, context: float) -> None:
+    setup = build_setup(get_model_preset(name), "h200", tensor_parallel=8 if name == "deepseek-v3" else 1).setup
+    step_budget = model.step_budget_seconds(target, 0.9)
+    budget = model.token_budget_tokens(setup, step_budget, context_tokens_per_request=context)
+    if budget > 0:
+        groups = model._groups_of_context(budget, context)
+        assert model.predict_step(setup, groups).step_seconds <= step_budget * (1 + 1e-12)
+
+
+def test_architecture_rejects_ssm_attention_kinds() -> None:
+    with pytest.raises(InputError, match="not supported"):
+        Architecture("x", layers=4, hidden_size=64, attention_heads=4, kv_heads=4, head_dim=16, params=1e6,
+                     attention_kind="ssm")
