@@ -1,0 +1,167 @@
+"""Reading Hugging Face config.json files: architecture fields, parameter counts, refusals.
+
+The fixtures under tests/data/hf_configs/ carry each family's real key names (as in the models'
+published config.json files). Published parameter counts come from the model cards and
+shared/reference/validation/model_architectures.csv.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from exporter import model
+from exporter.deployment import load_architecture
+from exporter.errors import InputError, UnsupportedModelError
+from exporter.hf_config import load_hf_config
+from exporter.presets import get_model_preset
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+
+# folder -> published total parameters (source)
+PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
+    "Llama-2-7b-hf": (6.738e9, "model_architectures.csv, Llama-2 model card 7B"),
+    "Llama-3.1-8B": (8.03e9, "model_architectures.csv, Llama 3.1 model card 8B"),
+    "Mistral-7B-v0.1": (7.241e9, "model_architectures.csv, Mistral 7B paper 7.3B"),
+    "Mixtral-8x7B-v0.1": (46.701e9, "model_architectures.csv, Mixtral paper 47B"),
+    "Qwen2-7B": (7.615e9, "model_architectures.csv, Qwen2 model card 7.6B"),
+    "Qwen3-8B": (8.2e9, "Qwen3-8B model card: 8.2B"),
+    "Qwen3-30B-A3B": (30.5e9, "Qwen3-30B-A3B model card: 30.5B"),
+    "gemma-2-9b": (9.24e9, "Gemma 2 9B: 9.24B safetensors total"),
+    "gemma-3-27b-it": (27.0e9, "Gemma 3 27B: 27.4B with the 0.4B SigLIP vision tower"),
+    "DeepSeek-V3": (671e9, "DeepSeek-V3 technical report: 671B (plus 14B MTP module)"),
+    "mpt-7b": (6.649e9, "model_architectures.csv, MPT-7B 6.7B"),
+    "opt-1.3b": (1.311e9, "model_architectures.csv, OPT paper 1.3B"),
+}
+
+
+def config(folder: str) -> str:
+    return str(CONFIGS / folder / "config.json")
+
+
+@pytest.mark.parametrize("folder", sorted(PUBLISHED_PARAMS))
+def test_counted_parameters_match_the_published_count_within_two_percent(folder: str) -> None:
+    published, _source = PUBLISHED_PARAMS[folder]
+    assert load_hf_config(config(folder)).params == pytest.approx(published, rel=0.02)
+
+
+def test_llama_31_8b_count_is_exact_by_hand() -> None:
+    hidden, layers, inter, vocab = 4096, 32, 14336, 128256
+    attention = hidden * 4096 * 2 + hidden * 1024 * 2  # q, o: 32x128 wide; k, v: 8x128
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    expected = layers * per_layer + 2 * vocab * hidden + hidden  # untied embeddings + final norm
+    arch = load_hf_config(config("Llama-3.1-8B"))
+    assert arch.params == expected
+    assert (arch.layers, arch.hidden_size, arch.attention_heads, arch.kv_heads, arch.head_dim) == (32, 4096, 32, 8, 128)
+    assert model.kv_bytes_per_token(arch, 2.0) == model.kv_bytes_per_token(get_model_preset("llama-3.1-8b"), 2.0)
+
+
+def test_mpt_tied_plain_mlp_count_by_hand() -> None:
+    d, layers, vocab = 4096, 32, 50432
+    per_layer = 4 * d * d + 2 * d * 4 * d + 2 * d  # Wqkv + out_proj, up + down, two LayerNorm weights
+    expected = layers * per_layer + vocab * d + d  # tied embedding, ALiBi (no positions), final norm
+    arch = load_hf_config(config("mpt-7b"))
+    assert arch.params == expected
+    assert arch.kv_heads == 32 and arch.head_dim == 128
+
+
+def test_opt_counts_biases_learned_positions_and_tied_embeddings() -> None:
+    h, ffn, layers, vocab, positions = 2048, 8192, 24, 50272, 2048 + 2
+    per_layer = 4 * (h * h + h) + (h * ffn + ffn) + (ffn * h + h) + 2 * 2 * h
+    expected = layers * per_layer + vocab * h + positions * h + 2 * h
+    assert load_hf_config(config("opt-1.3b")).params == expected
+
+
+def test_gqa_heads_and_default_head_dim() -> None:
+    arch = load_hf_config(config("Qwen2-7B"))  # no head_dim key: hidden / heads
+    assert arch.head_dim == 3584 // 28 == 128
+    assert arch.kv_heads == 4
+    assert arch.sliding_window_layers == 0  # use_sliding_window is false
+
+
+def test_mistral_slides_on_every_layer() -> None:
+    arch = load_hf_config(config("Mistral-7B-v0.1"))
+    assert (arch.sliding_window, arch.sliding_window_layers) == (4096, 32)
+
+
+def test_gemma2_slides_on_every_other_layer() -> None:
+    arch = load_hf_config(config("gemma-2-9b"))
+    assert (arch.sliding_window, arch.sliding_window_layers) == (4096, 21)
+    assert arch.head_dim == 256
+
+
+def test_gemma3_reads_text_config_and_one_global_layer_in_six() -> None:
+    arch = load_hf_config(config("gemma-3-27b-it"))
+    assert (arch.layers, arch.kv_heads, arch.head_dim) == (62, 16, 128)
+    assert (arch.sliding_window, arch.sliding_window_layers) == (1024, 62 - 62 // 6)
+    preset = get_model_preset("gemma-3-27b")
+    assert model.kv_bytes_for_context(arch, 5000, 2.0) == model.kv_bytes_for_context(preset, 5000, 2.0)
+
+
+def test_layer_types_decide_which_layers_slide(tmp_path: Path) -> None:
+    raw = json.loads(Path(config("Qwen3-8B")).read_text())
+    raw.update(num_hidden_layers=4, sliding_window=512,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    arch = load_hf_config(str(path))
+    assert (arch.sliding_window, arch.sliding_window_layers) == (512, 3)
+
+
+def test_mixtral_and_qwen3_moe_expert_fields() -> None:
+    mixtral = load_hf_config(config("Mixtral-8x7B-v0.1"))
+    assert (mixtral.experts, mixtral.experts_per_token) == (8, 2)
+    assert mixtral.routed_expert_params == 32 * 8 * 3 * 4096 * 14336
+    assert mixtral.active_params == pytest.approx(12.9e9, rel=0.02)  # "12.9B active" (Mixtral paper)
+    qwen = load_hf_config(config("Qwen3-30B-A3B"))
+    assert (qwen.experts, qwen.experts_per_token) == (128, 8)
+    assert qwen.routed_expert_params == 48 * 128 * 3 * 2048 * 768
+    assert qwen.active_params == pytest.approx(3.3e9, rel=0.03)  # "3.3B activated" (model card)
+
+
+def test_deepseek_v3_mla_and_experts() -> None:
+    arch = load_hf_config(config("DeepSeek-V3"))
+    assert arch.attention_kind == "mla"
+    assert (arch.kv_lora_rank, arch.qk_rope_head_dim) == (512, 64)
+    assert model.kv_bytes_per_token(arch, 2.0) == 61 * (512 + 64) * 2
+    assert (arch.experts, arch.experts_per_token) == (256, 8)
+    assert arch.routed_expert_params == (61 - 3) * 256 * 3 * 7168 * 2048
+    assert arch.active_params == pytest.approx(37e9, rel=0.03)  # "37B activated" (technical report)
+
+
+def test_params_flag_overrides_the_count() -> None:
+    arch = load_architecture(config("Qwen3-30B-A3B"), params=31e9)
+    assert arch.params == 31e9
+    counted = load_hf_config(config("Qwen3-30B-A3B"))
+    assert arch.routed_expert_params / arch.params == pytest.approx(counted.routed_expert_params / counted.params)
+
+
+def test_a_missing_key_names_the_key_and_the_file() -> None:
+    path = config("broken/missing-layers")
+    with pytest.raises(InputError) as error:
+        load_hf_config(path)
+    assert "num_hidden_layers" in str(error.value) and path in str(error.value)
+
+
+@pytest.mark.parametrize("folder, why", [
+    ("unsupported/Jamba-v0.1", "jamba"),
+    ("unsupported/Qwen3-Next-80B-A3B", "qwen3_next"),
+    ("unsupported/mamba-2.8b", "mamba"),
+    ("unsupported/linear-hybrid", "linear_attention"),
+])
+def test_state_space_and_linear_hybrids_are_refused(folder: str, why: str) -> None:
+    with pytest.raises(UnsupportedModelError) as error:
+        load_hf_config(config(folder))
+    assert why in str(error.value) and "KV cache" in str(error.value)
+
+
+def test_unreadable_files_name_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "config.json"
+    with pytest.raises(InputError, match="no such file"):
+        load_hf_config(str(missing))
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_hf_config(str(bad))
