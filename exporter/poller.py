@@ -1,0 +1,323 @@
+"""The poll loop: every `poll_interval`, discover targets, fetch every /metrics concurrently, read
+each page, and publish the latest Readings for the collector and the alert loop.
+
+Why a poll loop and not fetch-on-scrape: measured step time and prefill per step are deltas
+between two readings of a server's counters; every scraper must see the same deltas (DESIGN §2).
+
+Failure handling: a fetch is bounded by a (connect, read) timeout AND an overall deadline checked
+between chunks (a server trickling a byte a second cannot hold a worker), and by a size cap. A
+target that fails exports `stepbudget_target_up 0`, logs one line with the reason, and keeps its
+last good values only until `stale_after`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Iterable, Protocol, Sequence
+
+import requests
+import structlog
+
+from exporter import __version__
+from exporter.config import Config, Deployment, Tls
+from exporter.discovery import Discovery, Target
+from exporter.reading import Reading, derive_reading
+
+log = structlog.get_logger("stepbudget.poller")
+
+CHUNK_BYTES = 65536
+MAX_FETCH_WORKERS = 32
+
+
+class FetchError(Exception):
+    """A fetch failed; `reason` is the short phrase logged and shown on the landing page."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Fetch(Protocol):
+    def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str: ...
+
+
+class HttpFetcher:
+    """GET with one shared Session (connection reuse), timeouts, an overall deadline and a size cap."""
+
+    def __init__(self, timeout_seconds: float, max_response_bytes: int, *,
+                 clock: Callable[[], float] = time.monotonic, session: requests.Session | None = None) -> None:
+        self.timeout_seconds = timeout_seconds
+        self.max_response_bytes = max_response_bytes
+        self._clock = clock
+        self._session = session or requests.Session()
+        self._session.headers["User-Agent"] = f"stepbudget/{__version__}"
+        # Ask for the text format: some servers answer OpenMetrics or protobuf on content negotiation.
+        self._session.headers["Accept"] = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        deadline = self._clock() + self.timeout_seconds
+        headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
+        verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
+        try:
+            response = self._session.get(url, headers=headers, verify=verify, stream=True,
+                                         timeout=(self.timeout_seconds, self.timeout_seconds))
+        except requests.Timeout:
+            raise FetchError(f"timed out after {self.timeout_seconds:g}s") from None
+        except requests.exceptions.SSLError as error:
+            raise FetchError(f"TLS error: {_short(error)}") from None
+        except requests.ConnectionError as error:
+            raise FetchError(f"connection failed: {_short(error)}") from None
+        except requests.RequestException as error:
+            raise FetchError(f"request failed: {_short(error)}") from None
+        with response:
+            if response.status_code != 200:
+                raise FetchError(f"HTTP {response.status_code}")
+            declared = response.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                raise FetchError(f"response over {self.max_response_bytes} bytes")
+            body = self._read_body(response, deadline)
+        return body.decode(response.encoding or "utf-8", errors="replace")
+
+    def _read_body(self, response: requests.Response, deadline: float) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        raw = response.raw
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body")
+            _limit_socket_wait(raw, remaining)
+            try:
+                # read1: return what one recv gives, so the deadline is checked between trickled bytes.
+                chunk = raw.read1(CHUNK_BYTES, decode_content=True)
+            except Exception as error:  # noqa: BLE001 - urllib3 raises several kinds mid-body
+                if "timed out" in str(error).lower():
+                    raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body") from None
+                raise FetchError(f"body read failed: {_short(error)}") from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self.max_response_bytes:
+                raise FetchError(f"response over {self.max_response_bytes} bytes")
+            chunks.append(chunk)
+
+
+def _limit_socket_wait(raw: object, remaining_seconds: float) -> None:
+    """Make the next recv wait no longer than the time left (urllib3 keeps the read timeout otherwise)."""
+    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        try:
+            sock.settimeout(max(0.001, remaining_seconds))
+        except OSError:
+            pass
+
+
+def _short(error: BaseException) -> str:
+    text = str(error)
+    # urllib3 nests the useful part: "... (Caused by NewConnectionError('...: [Errno 111] Connection refused'))"
+    for marker in ("Connection refused", "Name or service not known", "No route to host",
+                   "Connection reset", "Remote end closed", "certificate verify failed"):
+        if marker in text:
+            return marker
+    return text[:200]
+
+
+@dataclass
+class TargetState:
+    """What the poller remembers about one target between polls."""
+
+    target: Target
+    kind: str | None = None
+    last_error: str | None = None
+    last_success_seconds: float | None = None
+    # Last good snapshot per (model_name, engine), the window's previous reading.
+    previous: dict[tuple[str, str], object] = field(default_factory=dict)
+    readings: list[Reading] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PollResult:
+    readings: tuple[Reading, ...]
+    finished_at_seconds: float
+
+
+PollListener = Callable[[PollResult], None]
+
+
+class Poller:
+    """Owns the targets' state; `poll_once` is the whole cycle, called by the scheduler or by tests."""
+
+    def __init__(self, config: Config, discovery: Discovery, fetch: Fetch, *,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+                 read_page: Callable[..., object] | None = None,
+                 compute_window: Callable[..., object] | None = None) -> None:
+        if read_page is None or compute_window is None:
+            from exporter.engines import read_page as default_read_page
+            from exporter.window import compute_window as default_compute_window
+
+            read_page = read_page or default_read_page
+            compute_window = compute_window or default_compute_window
+        self.config = config
+        self._deployments = {deployment.name: deployment for deployment in config.deployments}
+        self._discovery = discovery
+        self._fetch = fetch
+        self._clock = clock
+        self._monotonic = monotonic
+        self._read_page = read_page
+        self._compute_window = compute_window
+        self._states: dict[tuple[str, str], TargetState] = {}
+        self._lock = threading.Lock()
+        self._readings: tuple[Reading, ...] = ()
+        self._polls_done = 0
+        self._listeners: list[PollListener] = []
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
+                                                               thread_name_prefix="stepbudget-fetch")
+        self._scheduler: object | None = None
+
+    # --- what others read -----------------------------------------------------------------------
+
+    def add_listener(self, listener: PollListener) -> None:
+        self._listeners.append(listener)
+
+    @property
+    def ready(self) -> bool:
+        return self._polls_done > 0
+
+    def readings(self) -> tuple[Reading, ...]:
+        return self._readings
+
+    def target_states(self) -> list[TargetState]:
+        with self._lock:
+            return list(self._states.values())
+
+    # --- the cycle ------------------------------------------------------------------------------
+
+    def poll_once(self) -> PollResult:
+        targets = self._discovery.discover()
+        self._forget_gone(targets)
+        futures = {target.key: self._executor.submit(self._poll_target, target) for target in targets}
+        readings: list[Reading] = []
+        for target in targets:
+            try:
+                readings.extend(futures[target.key].result())
+            except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
+                log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+        result = PollResult(tuple(readings), self._clock())
+        self._readings = result.readings
+        self._polls_done += 1
+        for listener in self._listeners:
+            try:
+                listener(result)
+            except Exception:  # noqa: BLE001
+                log.exception("poll_listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
+        return result
+
+    def _forget_gone(self, targets: Sequence[Target]) -> None:
+        current = {target.key for target in targets}
+        with self._lock:
+            for key in [key for key in self._states if key not in current]:
+                gone = self._states.pop(key)
+                log.info("target_removed", deployment=gone.target.deployment, target=gone.target.target)
+            for target in targets:
+                if target.key not in self._states:
+                    self._states[target.key] = TargetState(target)
+
+    def _poll_target(self, target: Target) -> list[Reading]:
+        deployment = self._deployments[target.deployment]
+        state = self._states[target.key]
+        started = self._monotonic()
+        try:
+            text = self._fetch(target.url, bearer_token=deployment.auth.bearer_token(), tls=deployment.tls)
+            page = self._read_page(text, deployment.engine)
+        except Exception as error:  # noqa: BLE001 - FetchError, PageError, OSError (token file), anything
+            return self._failed(state, _reason(error), self._monotonic() - started)
+        duration = self._monotonic() - started
+        return self._succeeded(state, deployment, page, duration)
+
+    def _failed(self, state: TargetState, reason: str, duration_seconds: float) -> list[Reading]:
+        now = self._clock()
+        if reason != state.last_error:
+            # One line per change of state, not one per poll: a target down for hours is not log spam.
+            log.warning("target_down", deployment=state.target.deployment, target=state.target.target,
+                        url=state.target.url, reason=reason)
+        state.last_error = reason
+        fresh = state.last_success_seconds is not None and now - state.last_success_seconds < self.config.stale_after_seconds
+        if state.readings:
+            state.readings = [reading.down(scrape_duration_seconds=duration_seconds, keep_values=fresh)
+                              for reading in state.readings]
+        else:
+            target = state.target
+            state.readings = [Reading(deployment=target.deployment, target=target.target, namespace=target.namespace,
+                                      pod=target.pod, target_up=False, scrape_duration_seconds=duration_seconds)]
+        return state.readings
+
+    def _succeeded(self, state: TargetState, deployment: Deployment, page: object,
+                   duration_seconds: float) -> list[Reading]:
+        now = self._clock()
+        kind = getattr(page, "kind")
+        target = state.target
+        if kind != state.kind:
+            log.info("engine_detected", deployment=deployment.name, target=target.target, kind=kind,
+                     engines=[f"{s.model_name}/{s.engine}" for s in page.snapshots])  # type: ignore[attr-defined]
+        if state.last_error is not None:
+            log.info("target_up", deployment=deployment.name, target=target.target, after=state.last_error)
+        for problem in getattr(page, "problems", ()):
+            log.warning("page_problem", deployment=deployment.name, target=target.target, reason=problem)
+        readings, previous = [], {}
+        for snapshot in page.snapshots:  # type: ignore[attr-defined]
+            identity = (snapshot.model_name, snapshot.engine)
+            window = self._compute_window(state.previous.get(identity), snapshot)
+            reading = derive_reading(deployment, target, snapshot, window, now_seconds=now,
+                                     scrape_duration_seconds=duration_seconds)
+            readings.append(reading)
+            previous[identity] = snapshot
+        self._log_partial(state, readings)
+        state.kind, state.last_error, state.last_success_seconds = kind, None, now
+        state.previous, state.readings = previous, readings
+        return readings
+
+    def _log_partial(self, state: TargetState, readings: Iterable[Reading]) -> None:
+        """Log what could not be derived, once per change, so a partial reading is never silent."""
+        for reading in readings:
+            previous = next((r for r in state.readings if r.identity == reading.identity and r.target_up), None)
+            if reading.notes and (previous is None or previous.notes != reading.notes):
+                log.info("reading_partial", deployment=reading.deployment, target=reading.target,
+                         model_name=reading.model_name, engine=reading.engine, notes=list(reading.notes))
+
+    # --- scheduling -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Poll now, then every poll_interval, in a background scheduler thread."""
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        interval = self.config.poll_interval_seconds
+        scheduler = BackgroundScheduler(timezone="UTC")
+        # max_instances=1 + coalesce: a poll slower than the interval skips runs instead of piling up;
+        # misfire grace of one interval: a late run still happens rather than being dropped.
+        scheduler.add_job(self.poll_once, "interval", seconds=interval, id="poll", max_instances=1,
+                          coalesce=True, misfire_grace_time=max(1, int(interval)),
+                          next_run_time=datetime.now(timezone.utc))
+        scheduler.start()
+        self._scheduler = scheduler
+
+    def stop(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)  # type: ignore[attr-defined]
+            self._scheduler = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(error: BaseException) -> str:
+    reason = getattr(error, "reason", None)
+    if isinstance(reason, str) and reason:
+        detail = str(error)
+        return detail if detail.startswith(reason) else reason
+    return f"{type(error).__name__}: {error}"[:300]

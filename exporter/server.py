@@ -1,0 +1,168 @@
+"""The daemon's HTTP server: /metrics, /-/healthy, /-/ready, a landing page, and a route table.
+
+A small route table (method, path) -> handler lets other modules (admission: `POST /v1/admission`,
+`POST /v1/release`) add endpoints with `register_route` without editing this file.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+import structlog
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from exporter import __version__
+
+log = structlog.get_logger("stepbudget.server")
+
+MAX_REQUEST_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "text/plain; charset=utf-8"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[Request], Response]
+
+
+@dataclass(frozen=True)
+class TargetRow:
+    """One line of the landing page."""
+
+    deployment: str
+    target: str
+    kind: str | None
+    up: bool
+    detail: str
+
+
+class StepBudgetServer:
+    """Serves the registry and the routes; `ready()` says whether the first poll finished."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, *,
+                 ready: Callable[[], bool], targets: Callable[[], list[TargetRow]] = list) -> None:
+        self._registry = registry
+        self._ready = ready
+        self._targets = targets
+        self.routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/-/healthy"): lambda request: Response(200, b"OK\n"),
+            ("GET", "/-/ready"): self._ready_route,
+            ("GET", "/"): self._landing,
+        }
+        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    def register_route(self, method: str, path: str, handler: Handler) -> None:
+        """Add an endpoint, e.g. `register_route("POST", "/v1/admission", handle)`."""
+        key = (method.upper(), path)
+        if key in self.routes:
+            raise ValueError(f"route {method} {path} is already registered")
+        self.routes[key] = handler
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="stepbudget-http", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # --- built-in routes ------------------------------------------------------------------------
+
+    def _metrics(self, request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(200, encoder(self._registry), content_type)
+
+    def _ready_route(self, request: Request) -> Response:
+        if self._ready():
+            return Response(200, b"Ready\n")
+        return Response(503, b"Not ready: the first poll has not finished\n")
+
+    def _landing(self, request: Request) -> Response:
+        rows = "".join(
+            f"<tr><td>{html.escape(row.deployment)}</td><td>{html.escape(row.target)}</td>"
+            f"<td>{html.escape(row.kind or '?')}</td><td>{'up' if row.up else 'DOWN'}</td>"
+            f"<td>{html.escape(row.detail)}</td></tr>"
+            for row in self._targets()
+        )
+        page = (
+            "<!doctype html><html><head><meta charset='utf-8'><title>stepbudget</title></head><body>"
+            f"<h1>stepbudget {html.escape(__version__)}</h1>"
+            "<p><a href='/metrics'>/metrics</a> · <a href='/-/healthy'>/-/healthy</a> · <a href='/-/ready'>/-/ready</a></p>"
+            "<table border='1' cellpadding='4'><tr><th>deployment</th><th>target</th><th>engine</th><th>state</th><th>detail</th></tr>"
+            f"{rows or '<tr><td colspan=5>no targets discovered yet</td></tr>'}</table></body></html>"
+        )
+        return Response(200, page.encode(), "text/html; charset=utf-8")
+
+
+def _make_handler(server: StepBudgetServer) -> type[BaseHTTPRequestHandler]:
+    class _Handler(BaseHTTPRequestHandler):
+        server_version = f"stepbudget/{__version__}"
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            self._dispatch("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._dispatch("POST")
+
+        def _dispatch(self, method: str) -> None:
+            path, _, query = self.path.partition("?")
+            handler = server.routes.get((method, path))
+            if handler is None:
+                known = any(route_path == path for _, route_path in server.routes)
+                self._send(Response(405 if known else 404, b"Method not allowed\n" if known else b"Not found\n"))
+                return
+            length_text = self.headers.get("Content-Length", "0") or "0"
+            length = int(length_text) if length_text.isdigit() else -1
+            if length < 0 or length > MAX_REQUEST_BODY_BYTES:
+                self._send(Response(413, b"Request body too large or malformed\n"))
+                return
+            body = self.rfile.read(length) if length else b""
+            request = Request(method, path, query, {k.lower(): v for k, v in self.headers.items()}, body)
+            try:
+                response = handler(request)
+            except Exception:  # noqa: BLE001 - a bad handler answers 500, the server stays up
+                log.exception("http_handler_failed", method=method, path=path)
+                response = Response(500, b"Internal error\n")
+            self._send(response)
+
+        def _send(self, response: Response) -> None:
+            self.send_response(response.status)
+            self.send_header("Content-Type", response.content_type)
+            self.send_header("Content-Length", str(len(response.body)))
+            for name, value in response.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(response.body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+            pass  # scrapes every 15 s would flood the log; failures are logged by the handlers
+
+    return _Handler
