@@ -1,0 +1,164 @@
+"""`stepbudget plan` through the real CLI entry point: output, JSON keys, plots, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from exporter.cli import main
+from exporter.planner import build_plan, predict_loads, parse_load
+from exporter.deployment import build_setup
+from exporter.presets import get_model_preset
+from exporter.model import RequestGroup
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+QWEN3_KV = 2 * 36 * 8 * 128 * 2
+QWEN3_WEIGHTS = 8.19e9 * 2
+H100_EFFECTIVE = 0.6 * 3.35e12
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    assert main(["plan", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def bad_input(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run and return the single stderr line of a bad-input exit."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_plan_json_has_the_design_keys_with_the_reference_values(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--load", "40x2000", "--load", "2x100000", "--context", "2000", "--context", "8000")
+    assert out["kv_bytes_per_token"] == QWEN3_KV
+    assert out["weight_bytes"] == QWEN3_WEIGHTS
+    assert out["kv_capacity_tokens"] == math.floor((80e9 * 0.9 - QWEN3_WEIGHTS) / (QWEN3_KV * 16)) * 16
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(H100_EFFECTIVE)
+    assert out["bandwidth_source"] == "default"
+    assert out["step_budget_seconds"] == pytest.approx(0.9 / 50)
+    assert out["token_budget_tokens"] == pytest.approx((0.9 / 50 * H100_EFFECTIVE - QWEN3_WEIGHTS) / QWEN3_KV)
+    tokens = 40 * 2000 + 2 * 100_000
+    assert out["tokens_in_flight"] == tokens
+    step = (QWEN3_WEIGHTS + tokens * QWEN3_KV) / H100_EFFECTIVE
+    assert out["predicted_step_seconds"] == pytest.approx(step)
+    assert out["predicted_tokens_per_second_per_user"] == pytest.approx(1 / step)
+    assert out["meets_target"] is False
+    cache = 80e9 * 0.9 - QWEN3_WEIGHTS
+    assert out["max_concurrency"] == [
+        {"context_tokens": 2000, "sequences": math.floor(cache / (2000 * QWEN3_KV))},
+        {"context_tokens": 8000, "sequences": math.floor(cache / (8000 * QWEN3_KV))},
+    ]
+    assert "upper bound" in out["kv_capacity_note"]
+
+
+def test_plan_table_states_the_capacity_bound_and_the_bandwidth_source(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--load", "40x2000"]) == 0
+    out = capsys.readouterr().out
+    assert "upper bound" in out
+    assert "(default)" in out
+    assert "134,277 tokens in flight" in out
+    assert main(["plan", "--bandwidth", "2.5e12"]) == 0
+    assert "2.500 TB/s (configured)" in capsys.readouterr().out
+
+
+def test_flags_change_what_they_say(capsys: pytest.CaptureFixture[str]) -> None:
+    base = plan_json(capsys)
+    fp8 = plan_json(capsys, "--kv-cache-dtype", "fp8")
+    assert fp8["kv_bytes_per_token"] == base["kv_bytes_per_token"] / 2
+    tp2 = plan_json(capsys, "--tp", "2", "--weight-dtype", "fp8")
+    assert tp2["weight_bytes"] == 8.19e9 * 1 / 2
+    mig = plan_json(capsys, "--gpu-memory", "40GiB", "--reserved-memory", "2GiB", "--gpu-memory-utilization", "0.8")
+    assert mig["kv_cache_bytes"] == pytest.approx(40 * 2**30 * 0.8 - QWEN3_WEIGHTS - 2 * 2**30)
+    slower = plan_json(capsys, "--bandwidth-efficiency", "0.5", "--step-overhead", "2ms", "--target-tps", "30",
+                       "--headroom", "0.8")
+    assert slower["effective_bandwidth_bytes_per_second"] == pytest.approx(0.5 * 3.35e12)
+    assert slower["step_overhead_seconds"] == pytest.approx(0.002)
+    assert slower["step_budget_seconds"] == pytest.approx(0.8 / 30)
+    params = plan_json(capsys, "--params", "8B")
+    assert params["weight_bytes"] == 16e9
+
+
+def test_prefill_chunk_slows_every_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--load", "40x2000", "--prefill-chunk", "2048", "--compute-efficiency", "0.5")
+    compute = 2 * 8.19e9 * (40 + 2048) / (0.5 * 989.4e12)
+    assert out["predicted_step_seconds"] == pytest.approx(compute)
+
+
+def test_moe_budget_assumes_the_mean_load_context_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--model", "qwen3-30b-a3b", "--load", "10x1000", "--load", "10x3000")
+    assert out["budget_context_tokens"] == 2000
+    assert "mean context" in out["budget_context_reason"]
+    out = plan_json(capsys, "--model", "gemma-3-27b", "--gpu", "h200", "--context", "4000")
+    assert out["budget_context_tokens"] == 4000 and "--context" in out["budget_context_reason"]
+    out = plan_json(capsys, "--model", "mistral-7b")
+    assert out["budget_context_tokens"] == 2000 and "default" in out["budget_context_reason"]
+
+
+def test_a_config_json_path_works_as_model(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--model", str(CONFIGS / "Llama-3.1-8B" / "config.json"))
+    assert out["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    assert out["model"] == "Llama-3.1-8B"
+
+
+def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "plan.png"
+    assert main(["plan", "--load", "40x2000", "--load", "2x100000", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_predict_loads_adds_all_loads_into_one_step() -> None:
+    setup = build_setup(get_model_preset("qwen3-8b"), "h100-sxm").setup
+    together = predict_loads(setup, [RequestGroup(40, 2000), RequestGroup(2, 100_000)])
+    assert together.step.kv_read_bytes == (40 * 2000 + 2 * 100_000) * QWEN3_KV
+    assert together.step.decode_tokens == 42
+    plan = build_plan(build_setup(get_model_preset("qwen3-8b"), "h100-sxm"), loads=[parse_load("40x2000")])
+    assert plan.load_prediction is not None and plan.load_prediction.tokens_in_flight == 80_000
+
+
+# --- bad input: exit 2 and one line naming the problem ---------------------------------------
+
+
+def test_unknown_preset_suggests_close_names(capsys: pytest.CaptureFixture[str]) -> None:
+    err = bad_input(capsys, "plan", "--model", "qwen3-8bb")
+    assert "unknown model preset 'qwen3-8bb'" in err and "did you mean: qwen3-8b" in err
+    err = bad_input(capsys, "plan", "--gpu", "h100sxm")
+    assert "unknown GPU preset" in err and "h100-sxm" in err
+
+
+def test_config_missing_a_key_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(CONFIGS / "broken" / "missing-layers" / "config.json")
+    err = bad_input(capsys, "plan", "--model", path)
+    assert "num_hidden_layers" in err and path in err
+
+
+def test_ssm_hybrid_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = bad_input(capsys, "plan", "--model", str(CONFIGS / "unsupported" / "Jamba-v0.1" / "config.json"))
+    assert "unsupported model" in err and "jamba" in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--gpu-memory=0GB"], "--gpu-memory: must be greater than zero"),
+    (["--gpu-memory=-5GB"], "--gpu-memory"),
+    (["--reserved-memory=-1GiB"], "--reserved-memory"),
+    (["--bandwidth=0"], "--bandwidth: must be greater than zero"),
+    (["--params=0"], "--params"),
+    (["--tp", "0"], "--tp"),
+    (["--target-tps", "0"], "--target-tps"),
+    (["--headroom", "1.5"], "--headroom"),
+    (["--context", "0"], "--context"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+    (["--load", "0x100"], "--load '0x100'"),
+    (["--kv-cache-dtype", "fp7"], "kv cache dtype"),
+])
+def test_bad_sizes_and_values_name_the_flag(capsys: pytest.CaptureFixture[str], flags: list[str], expected: str) -> None:
+    assert expected in bad_input(capsys, "plan", *flags)
+
+
+def test_load_in_the_wrong_form_says_the_expected_form(capsys: pytest.CaptureFixture[str]) -> None:
+    err = bad_input(capsys, "plan", "--load", "40*2000")
+    assert "--load '40*2000'" in err and "COUNTxTOKENS" in err
