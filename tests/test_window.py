@@ -1,0 +1,154 @@
+"""Two polls -> one window: measured step mean and median, prefill per step, resets, idle windows.
+
+Pages are built here with known bucket counts; expected numbers are worked out in each test with
+PromQL's histogram_quantile rule: rank = q x observations, find the first bucket whose cumulative
+count reaches the rank, interpolate linearly between its lower and upper edge.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from exporter.engines import read_page
+from exporter.snapshot import Snapshot
+from exporter.window import compute_window, histogram_quantile
+
+EDGES = ("0.01", "0.025", "0.05")
+
+
+def page(buckets: list[float], itl_sum: float, prompt: float, steps: float, edges: tuple[str, ...] = EDGES) -> Snapshot:
+    """A vLLM page with an ITL histogram (cumulative `buckets`, last is +Inf) and two counters."""
+    labels = 'engine="0",model_name="m"'
+    lines = [f'vllm:inter_token_latency_seconds_bucket{{{labels},le="{le}"}} {count}' for le, count in zip(edges + ("+Inf",), buckets)]
+    lines += [
+        f"vllm:inter_token_latency_seconds_count{{{labels}}} {buckets[-1]}",
+        f"vllm:inter_token_latency_seconds_sum{{{labels}}} {itl_sum}",
+        f"vllm:prompt_tokens_total{{{labels}}} {prompt}",
+        f"vllm:iteration_tokens_total_count{{{labels}}} {steps}",
+    ]
+    (snapshot,) = read_page("\n".join(lines) + "\n").snapshots
+    return snapshot
+
+
+def test_mean_median_prefill_from_two_polls() -> None:
+    before = page([10, 30, 40, 40], itl_sum=1.0, prompt=1000, steps=100)
+    after = page([15, 75, 90, 90], itl_sum=2.6, prompt=1600, steps=250)
+    window = compute_window(before, after)
+    # deltas: buckets 5, 45, 50, 50 -> 50 observations summing to 1.6 s
+    assert window.tokens_generated == 50
+    assert window.measured_step_mean_seconds == pytest.approx(1.6 / 50)
+    # rank 0.5 x 50 = 25 falls in (0.01, 0.025] where cumulative goes 5 -> 45
+    assert window.measured_step_median_seconds == pytest.approx(0.01 + (0.025 - 0.01) * (25 - 5) / (45 - 5))
+    assert window.prefill_tokens_per_step == pytest.approx(600 / 150)
+    assert window.counter_reset is False and window.notes == ()
+
+
+def test_median_in_the_first_bucket_starts_from_zero() -> None:
+    window = compute_window(page([0, 0, 0, 0], 0, 0, 0), page([8, 8, 8, 8], 0.04, 0, 8))
+    assert window.measured_step_median_seconds == pytest.approx(0 + 0.01 * (4 / 8))
+
+
+def test_median_in_the_inf_bucket_is_the_last_finite_edge() -> None:
+    window = compute_window(page([0, 0, 0, 0], 0, 0, 0), page([0, 1, 1, 10], 9.0, 0, 10))
+    assert window.measured_step_median_seconds == 0.05  # rank 5 > 1 observation at or under 0.05 s
+    assert window.measured_step_mean_seconds == pytest.approx(9.0 / 10)
+
+
+def test_no_new_tokens_is_idle_not_zero() -> None:
+    same = page([10, 30, 40, 40], 1.0, 1000, 100)
+    window = compute_window(same, same)
+    assert window.measured_step_mean_seconds is None and window.measured_step_median_seconds is None
+    assert window.prefill_tokens_per_step is None
+    assert window.tokens_generated == 0
+    assert "idle" in " ".join(window.notes)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        page([1, 2, 3, 3], 0.1, 1600, 250),  # ITL count went 40 -> 3: restarted
+        page([15, 75, 90, 90], 2.6, 10, 250),  # prompt tokens went 1000 -> 10
+        page([15, 75, 90, 90], 2.6, 1600, 5),  # engine steps went 100 -> 5
+        page([9, 75, 90, 90], 2.6, 1600, 250),  # one bucket went 10 -> 9
+    ],
+)
+def test_any_counter_going_backwards_is_a_reset_with_no_deltas(after: Snapshot) -> None:
+    window = compute_window(page([10, 30, 40, 40], 1.0, 1000, 100), after)
+    assert window.counter_reset is True
+    assert (window.measured_step_mean_seconds, window.measured_step_median_seconds) == (None, None)
+    assert (window.prefill_tokens_per_step, window.tokens_generated) == (None, None)
+
+
+def test_changed_bucket_edges_give_a_mean_but_no_median() -> None:
+    before = page([10, 30, 40, 40], 1.0, 1000, 100)
+    after = page([15, 60, 75, 90, 90], 2.6, 1000, 200, edges=("0.01", "0.025", "0.04", "0.05"))
+    window = compute_window(before, after)
+    assert window.measured_step_median_seconds is None
+    assert window.measured_step_mean_seconds == pytest.approx(1.6 / 50)
+    assert window.prefill_tokens_per_step == 0.0
+    assert any("edges changed" in note for note in window.notes)
+
+
+def test_first_poll_and_other_engine_have_no_window() -> None:
+    current = page([10, 30, 40, 40], 1.0, 1000, 100)
+    assert compute_window(None, current).measured_step_mean_seconds is None
+    other = Snapshot(kind="vllm", model_name="m", engine="1")
+    window = compute_window(other, current)
+    assert window.tokens_generated is None and window.counter_reset is False
+
+
+def test_missing_histogram_or_step_counter_is_said() -> None:
+    bare = Snapshot(kind="vllm", model_name="m", engine="0", prompt_tokens_total=5)
+    window = compute_window(bare, bare)
+    assert window.measured_step_mean_seconds is None and window.prefill_tokens_per_step is None
+    assert len(window.notes) == 2
+
+
+def test_quantile_edge_cases_match_promql() -> None:
+    inf = float("inf")
+    assert histogram_quantile(0.5, ((0.1, 0.0), (inf, 0.0))) is None  # no observations: NaN in PromQL
+    assert histogram_quantile(0.5, ((0.1, 3.0), (0.2, 5.0))) is None  # no +Inf bucket
+    assert histogram_quantile(0.5, ((inf, 3.0),)) is None  # fewer than two buckets
+    assert histogram_quantile(0.5, ((-1.0, 4.0), (0.0, 4.0), (inf, 4.0))) == -1.0  # first edge <= 0
+    # non-monotonic input is made monotonic first (counts 4, 2 -> 4, 4): rank 2 in the first bucket
+    assert histogram_quantile(0.5, ((0.1, 4.0), (0.2, 2.0), (inf, 4.0))) == pytest.approx(0.1 * 2 / 4)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@pytest.mark.parametrize(
+    "before, after",
+    [([10, 30, 40, 40], [15, 75, 90, 90]), ([0, 0, 0, 0], [8, 8, 8, 8]), ([0, 0, 0, 0], [0, 1, 1, 10]), ([1, 2, 3, 4], [1, 2, 9, 12])],
+)
+def test_median_agrees_with_real_promql(tmp_path: Path, before: list[float], after: list[float]) -> None:
+    """The same two polls in Prometheus's own engine (promtool): histogram_quantile over the deltas."""
+    window = compute_window(page(before, 1.0, 0, 0), page(after, 2.6, 0, 1))
+    series = "\n".join(
+        f"      - series: 'itl_bucket{{le=\"{le}\"}}'\n        values: '{b} {a}'"
+        for le, b, a in zip(EDGES + ("+Inf",), before, after)
+    )
+    (tmp_path / "rules.yaml").write_text("groups: []\n")
+    (tmp_path / "test.yaml").write_text(
+        textwrap.dedent(
+            """\
+            rule_files: [rules.yaml]
+            evaluation_interval: 1m
+            tests:
+              - interval: 1m
+                input_series:
+            {series}
+                promql_expr_test:
+                  - expr: histogram_quantile(0.5, itl_bucket - itl_bucket offset 1m)
+                    eval_time: 1m
+                    exp_samples:
+                      - labels: '{{}}'
+                        value: {value!r}
+            """
+        ).format(series=series, value=window.measured_step_median_seconds)
+    )
+    result = subprocess.run(["promtool", "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
