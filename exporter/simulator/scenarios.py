@@ -1,0 +1,230 @@
+"""Workloads that drive the simulated server: built-in scenarios and YAML files.
+
+A scenario is a list of request groups on a simulated-time line:
+  * `closed` — N users, each sending its next request when the previous one finishes (plus a
+    think time): keeps about N requests in flight, like chat users;
+  * `poisson` — open-loop arrivals at a rate per second (Poisson process) between start and stop;
+  * `scripted` — `count` requests at a fixed time, optionally leaving at `leave_at` (an agent
+    session that ends while still generating).
+Token counts are drawn uniformly in mean x (1 ± spread). The YAML format is in docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from exporter.errors import InputError
+from exporter.suggest import close_names
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """A token count drawn uniformly in mean x (1 ± spread_ratio), at least 1."""
+
+    mean: int
+    spread_ratio: float = 0.0
+
+    def draw(self, rng: random.Random) -> int:
+        if self.spread_ratio == 0:
+            return self.mean
+        low, high = self.mean * (1 - self.spread_ratio), self.mean * (1 + self.spread_ratio)
+        return max(1, round(rng.uniform(low, high)))
+
+
+@dataclass(frozen=True)
+class ClosedLoopGroup:
+    name: str
+    users: int
+    prompt_tokens: TokenCount
+    output_tokens: TokenCount
+    think_seconds: float = 0.0
+    start_seconds: float = 0.0
+    stop_seconds: float | None = None
+    ramp_seconds: float = 10.0  # users start spread over this long, so their requests do not move in lockstep
+
+
+@dataclass(frozen=True)
+class PoissonGroup:
+    name: str
+    rate_per_second: float
+    prompt_tokens: TokenCount
+    output_tokens: TokenCount
+    start_seconds: float = 0.0
+    stop_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ScriptedGroup:
+    name: str
+    at_seconds: float
+    prompt_tokens: TokenCount
+    output_tokens: TokenCount
+    count: int = 1
+    leave_at_seconds: float | None = None
+
+
+Group = Union[ClosedLoopGroup, PoissonGroup, ScriptedGroup]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    groups: tuple[Group, ...]
+    timeline: tuple[tuple[float, str], ...] = ()  # (simulated seconds, what happens) for people
+
+
+def _chats(users: int = 40, name: str = "chat") -> ClosedLoopGroup:
+    # ~2,000 tokens of context per chat at the end: ~1,500-token prompt + ~500 generated tokens.
+    return ClosedLoopGroup(name, users, TokenCount(1500, 0.2), TokenCount(500, 0.2), ramp_seconds=10.0)
+
+
+AGENTS_JOIN_SECONDS = 120.0
+AGENTS_LEAVE_SECONDS = 420.0
+
+
+def builtin_scenarios() -> dict[str, Scenario]:
+    return {
+        "idle": Scenario("idle", "no background load: only requests sent to /v1/completions (for calibration)", ()),
+        "steady-chat": Scenario(
+            "steady-chat", "40 chat users, ~1,500-token prompts and ~500-token answers, back to back",
+            (_chats(),), ((0.0, "40 chat users start over the first 10 s"),)),
+        "agents-join": Scenario(
+            "agents-join",
+            "steady-chat, then two ~100,000-token agent sessions join and later leave: the step time about doubles",
+            (_chats(), ScriptedGroup("agent", AGENTS_JOIN_SECONDS, TokenCount(100_000), TokenCount(50_000), count=2,
+                                     leave_at_seconds=AGENTS_LEAVE_SECONDS)),
+            ((0.0, "40 chat users start"), (AGENTS_JOIN_SECONDS, "2 agent sessions of ~100,000 tokens join"),
+             (AGENTS_LEAVE_SECONDS, "the agent sessions leave"))),
+        "prefill-burst": Scenario(
+            "prefill-burst",
+            "32 chats stream while 8,000-token prompts (short answers) arrive faster than prefill absorbs them",
+            (_chats(32), PoissonGroup("document", 3.0, TokenCount(8000, 0.1), TokenCount(4), start_seconds=60.0,
+                                      stop_seconds=240.0)),
+            ((0.0, "32 chat users start"), (60.0, "8,000-token prompts start arriving, 3 per second"),
+             (240.0, "the burst ends"))),
+        "overload": Scenario(
+            "overload", "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
+            (ClosedLoopGroup("long-chat", 64, TokenCount(6000, 0.2), TokenCount(2000, 0.2), ramp_seconds=5.0),),
+            ((0.0, "64 long-context users start: the cache fills and requests get preempted"),)),
+    }
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A built-in scenario by name, or a YAML file (docs/simulator.md)."""
+    builtins = builtin_scenarios()
+    if name_or_path in builtins:
+        return builtins[name_or_path]
+    path = Path(name_or_path)
+    if not (name_or_path.endswith((".yaml", ".yml")) or path.exists()):
+        raise InputError(f"--scenario: unknown scenario {name_or_path!r}{close_names(name_or_path, builtins)}; "
+                         f"built in: {', '.join(builtins)}, or a path to a YAML file")
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise InputError(f"--scenario: cannot read {name_or_path}: {error.strerror}") from error
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise InputError(f"{name_or_path}: not valid YAML: {error}") from error
+    return scenario_from_dict(document, where=name_or_path)
+
+
+_GROUP_KEYS = {
+    "closed": {"name", "kind", "users", "prompt_tokens", "output_tokens", "think", "start", "stop", "ramp"},
+    "poisson": {"name", "kind", "rate_per_second", "prompt_tokens", "output_tokens", "start", "stop"},
+    "scripted": {"name", "kind", "at", "count", "prompt_tokens", "output_tokens", "leave_at"},
+}
+
+
+def scenario_from_dict(document: Any, where: str = "scenario") -> Scenario:
+    if not isinstance(document, dict):
+        raise InputError(f"{where}: expected a mapping with keys name, description, groups")
+    _no_unknown_keys(document, {"name", "description", "groups"}, where)
+    groups_doc = document.get("groups")
+    if not isinstance(groups_doc, list) or not groups_doc:
+        raise InputError(f"{where}: 'groups' must be a non-empty list")
+    groups = tuple(_group(item, f"{where}: groups[{index}]") for index, item in enumerate(groups_doc))
+    names = [group.name for group in groups]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InputError(f"{where}: group names must be unique; repeated: {', '.join(duplicates)}")
+    return Scenario(str(document.get("name", Path(where).stem)), str(document.get("description", "")), groups)
+
+
+def _group(doc: Any, where: str) -> Group:
+    if not isinstance(doc, dict):
+        raise InputError(f"{where}: expected a mapping")
+    kind = doc.get("kind")
+    if kind not in _GROUP_KEYS:
+        raise InputError(f"{where}.kind: must be one of {', '.join(_GROUP_KEYS)}, got {kind!r}")
+    _no_unknown_keys(doc, _GROUP_KEYS[kind], where)
+    name = str(doc.get("name", f"{kind}"))
+    prompt = _tokens(doc, "prompt_tokens", where)
+    output = _tokens(doc, "output_tokens", where)
+    start = _number(doc, "start", where, default=0.0, minimum=0.0)
+    if kind == "closed":
+        return ClosedLoopGroup(name, int(_number(doc, "users", where, minimum=1, integer=True)), prompt, output,
+                               think_seconds=_number(doc, "think", where, default=0.0, minimum=0.0),
+                               start_seconds=start, stop_seconds=_stop(doc, start, where),
+                               ramp_seconds=_number(doc, "ramp", where, default=10.0, minimum=0.0))
+    if kind == "poisson":
+        return PoissonGroup(name, _number(doc, "rate_per_second", where, exclusive_minimum=0.0), prompt, output,
+                            start_seconds=start, stop_seconds=_stop(doc, start, where))
+    at = _number(doc, "at", where, minimum=0.0)
+    leave_at = doc.get("leave_at")
+    if leave_at is not None and _number(doc, "leave_at", where) <= at:
+        raise InputError(f"{where}.leave_at: must be after at={at:g}, got {leave_at!r}")
+    return ScriptedGroup(name, at, prompt, output, count=int(_number(doc, "count", where, default=1, minimum=1,
+                                                                     integer=True)),
+                         leave_at_seconds=None if leave_at is None else float(leave_at))
+
+
+def _no_unknown_keys(doc: dict[str, Any], allowed: set[str], where: str) -> None:
+    for key in doc:
+        if key not in allowed:
+            raise InputError(f"{where}: unknown key {key!r}{close_names(str(key), allowed)}; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+
+
+def _number(doc: dict[str, Any], key: str, where: str, default: float | None = None, minimum: float | None = None,
+            exclusive_minimum: float | None = None, integer: bool = False) -> float:
+    value = doc.get(key, default)
+    if value is None:
+        raise InputError(f"{where}.{key}: required")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
+        raise InputError(f"{where}.{key}: must be {'a whole' if integer else 'a'} number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InputError(f"{where}.{key}: must be at least {minimum:g}, got {value!r}")
+    if exclusive_minimum is not None and value <= exclusive_minimum:
+        raise InputError(f"{where}.{key}: must be greater than {exclusive_minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _stop(doc: dict[str, Any], start: float, where: str) -> float | None:
+    if doc.get("stop") is None:
+        return None
+    stop = _number(doc, "stop", where)
+    if stop <= start:
+        raise InputError(f"{where}.stop: must be after start={start:g}, got {stop!r}")
+    return stop
+
+
+def _tokens(doc: dict[str, Any], key: str, where: str) -> TokenCount:
+    """`prompt_tokens: 1500` or `prompt_tokens: {mean: 1500, spread: 0.2}`."""
+    value = doc.get(key)
+    if value is None:
+        raise InputError(f"{where}.{key}: required (a token count, or {{mean: N, spread: 0.2}})")
+    if isinstance(value, dict):
+        _no_unknown_keys(value, {"mean", "spread"}, f"{where}.{key}")
+        mean = _number(value, "mean", f"{where}.{key}", minimum=1, integer=True)
+        spread = _number(value, "spread", f"{where}.{key}", default=0.0, minimum=0.0)
+        if spread >= 1:
+            raise InputError(f"{where}.{key}.spread: must be below 1, got {spread!r}")
+        return TokenCount(int(mean), spread)
+    return TokenCount(int(_number(doc, key, where, minimum=1, integer=True)))
