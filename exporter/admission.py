@@ -291,7 +291,7 @@ class AdmissionBook:
             best = max(candidates, key=lambda state: state.budget_tokens - self._accounted(state))
             left = best.budget_tokens - self._accounted(best)
             if context <= left:
-                admission = self._open(best, context, now)
+                admission = self._open(best, request, now)
                 return self._count(Decision(
                     "admitted", deployment, pool, context, admission=admission,
                     tokens_left=left - context, reason=f"fits on {best.target}",
@@ -378,13 +378,14 @@ class AdmissionBook:
                  if s.deployment == deployment and s.eligible]
         return max(lefts, default=0.0)
 
-    def _open(self, state: _Target, tokens: int, now: float) -> Admission:
+    def _open(self, state: _Target, request: AdmissionRequest, now: float) -> Admission:
         policy = self._policies[state.deployment]
-        lease = self._lease_floor_seconds + self._lease_output_factor * tokens / policy.target_tokens_per_second
+        output_seconds = request.max_output_tokens / policy.target_tokens_per_second
+        lease = self._lease_floor_seconds + self._lease_output_factor * output_seconds
         admission_id = self._new_id()
         while admission_id in self._by_id:
             admission_id = self._new_id()
-        admission = Admission(admission_id, state.deployment, state.target, tokens, now, now + lease)
+        admission = Admission(admission_id, state.deployment, state.target, request.context_tokens, now, now + lease)
         state.admissions[admission_id] = admission
         self._by_id[admission_id] = state
         return admission
