@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from exporter.engines import sglang, tgi, vllm
 from exporter.engines.exposition import PageError, PageScan, scan_page
-from exporter.engines.families import Adapter, identities, select
+from exporter.engines.families import Adapter, identities, index_series, select
 from exporter.snapshot import Snapshot
 
 __all__ = ["ADAPTERS", "PageError", "PageReading", "read_page"]
@@ -37,8 +37,9 @@ def _detect(scan: PageScan) -> Adapter:
 
 
 def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], list[str]]:
-    who_all = identities(scan, adapter.sample_names(), adapter.roles)
-    selection = select(scan, adapter.specs, adapter.roles, who_all)
+    index = index_series(scan, adapter.sample_names(), adapter.roles)
+    who_all = identities(index)
+    selection = select(index, adapter.specs, who_all)
     if adapter.finish is not None:
         adapter.finish(scan, selection, who_all)
     snapshots = []

@@ -92,7 +92,7 @@ def _check_is_text(text: str) -> None:
     head = text.lstrip()[:64].lower()
     if head.startswith("<"):
         raise PageError("not Prometheus text", "the page is HTML/XML")
-    sample = text[:65536]
+    sample = text[:4096]  # garbage shows at once; scanning the whole page would cost more than parsing it
     if "\x00" in sample or len(_BINARY_RE.findall(sample)) > _BINARY_SHARE * len(sample):
         raise PageError("not Prometheus text", "the page holds binary data")
 
@@ -123,6 +123,23 @@ def _read_sample(line: str, end: int, name: str, scan: PageScan, seen: set) -> b
     return True
 
 
+def _any_sample(lines: list[str]) -> bool:
+    """Whether any line is a whole sample (name, labels, a number): tells text from a 404 body."""
+    for raw in lines:
+        line = raw.strip()
+        match = _NAME_RE.match(line) if line and line[0] != "#" else None
+        if match is None:
+            continue
+        end = match.end()
+        if end < len(line) and line[end] == "{":
+            parsed = parse_labels(line, end)
+            end = parsed[1] if parsed else -1
+        tokens = line[end:].split() if end >= 0 else []
+        if tokens and line[end] in " \t" and parse_value(tokens[0]) is not None:
+            return True
+    return False
+
+
 def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
     """Reads the samples whose names are in `wanted` (exact names) from one page.
 
@@ -149,15 +166,15 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
         name, end = match.group(), match.end()
         if name in wanted:
             ok = _read_sample(line, end, name, scan, seen)
-        else:  # cheap check only: a name, then labels or a space, and a number at the end
-            ok = end < len(line) and line[end] in "{ \t" and _VALUE_RE.fullmatch(line.rsplit(None, 1)[-1]) is not None
+        else:  # cheap check only (a name, then labels or a space); values are checked if nothing was wanted
+            ok = end < len(line) and line[end] in "{ \t"
         if ok:
             scan.sample_lines += 1
         else:
             scan.malformed_lines += 1
             first_bad = first_bad or number
-    if scan.sample_lines == 0 and scan.malformed_lines > 0:
-        raise PageError("not Prometheus text", f"no line reads as a sample (first bad line {first_bad})")
+    if not scan.samples and not _any_sample(lines):
+        raise PageError("not Prometheus text", f"no line reads as a sample (first bad line {first_bad or 1})")
     if scan.malformed_lines:
         scan.problems.append(f"{scan.malformed_lines} malformed line(s) skipped (first at line {first_bad})")
     return scan

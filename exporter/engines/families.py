@@ -60,35 +60,62 @@ def sample_names(spec: FamilySpec) -> tuple[str, ...]:
     return tuple(f"{base}{suffix}" for base in spec.names for suffix in ("_bucket", "_count", "_sum"))
 
 
-def _split(labels: Labels, roles: EngineLabels) -> tuple[str, str | None, str, tuple]:
-    model = next((labels[name] for name in roles.model if name in labels), "")
-    engine = labels.get(roles.engine) if roles.engine else None
-    process = labels.get(roles.process, "")
+@dataclass(frozen=True)
+class Series:
+    """One sample with its labels already sorted into roles."""
+
+    labels: Labels
+    value: float
+    process: str  # the `pid` label, "" when absent
+    variant: tuple[tuple[str, str], ...]  # the remaining labels (tp_rank, method, ...)
+
+
+# sample name -> (model, engine or None when the series has no engine label) -> series
+Index = dict[str, dict[tuple[str, str | None], list[Series]]]
+
+
+def index_series(scan: PageScan, names: tuple[str, ...], roles: EngineLabels) -> Index:
+    """Sorts every wanted sample by model and engine once, so each identity reads only its own."""
     skip = set(roles.model) | {roles.engine, roles.process, "le"} | {name for name, _ in roles.totals}
-    variant = tuple(sorted((k, v) for k, v in labels.items() if k not in skip))
-    return model, engine, process, variant
+    index: Index = {}
+    for name in names:
+        by_who: dict[tuple[str, str | None], list[Series]] = {}
+        for labels, value in scan.samples.get(name, ()):
+            if any(labels.get(k, v) != v for k, v in roles.totals):
+                continue  # a breakdown (e.g. one priority), not the total
+            model = next((labels[label] for label in roles.model if label in labels), "")
+            engine = labels.get(roles.engine) if roles.engine else None
+            variant = tuple(sorted((k, v) for k, v in labels.items() if k not in skip))
+            by_who.setdefault((model, engine), []).append(Series(labels, value, labels.get(roles.process, ""), variant))
+        if by_who:
+            index[name] = by_who
+    return index
 
 
-def identities(scan: PageScan, names: tuple[str, ...], roles: EngineLabels) -> list[Identity]:
+def identities(index: Index) -> list[Identity]:
     """Every (model_name, engine) on the page; a model seen only without an engine label is engine "0"."""
     engines: dict[str, set[str]] = {}
-    for name in names:
-        for labels, _ in scan.samples.get(name, ()):
-            model, engine, _, _ = _split(labels, roles)
+    for by_who in index.values():
+        for model, engine in by_who:
             known = engines.setdefault(model, set())
             if engine is not None:
                 known.add(engine)
     return sorted((model, engine) for model, found in engines.items() for engine in (found or {"0"}))
 
 
-def _applies(labels: Labels, spec: FamilySpec, who: Identity, roles: EngineLabels) -> tuple[bool, str, tuple]:
-    if any(labels.get(k) != v for k, v in spec.match):
-        return False, "", ()
-    if any(labels.get(k, v) != v for k, v in roles.totals):
-        return False, "", ()
-    model, engine, process, variant = _split(labels, roles)
-    variant = tuple(item for item in variant if item[0] not in dict(spec.match))
-    return model == who[0] and engine in (None, who[1]), process, variant
+def _series_for(index: Index, spec: FamilySpec, name: str, who: Identity) -> list[tuple[Labels, float, str, tuple]]:
+    """This identity's series of `name`: its own plus its model's engine-less (server-wide) ones."""
+    by_who = index.get(name, {})
+    found = []
+    for series in by_who.get(who, []) + by_who.get((who[0], None), []):
+        variant = series.variant
+        if spec.match:
+            if any(series.labels.get(k) != v for k, v in spec.match):
+                continue
+            keys = {k for k, _ in spec.match}
+            variant = tuple(item for item in variant if item[0] not in keys)
+        found.append((series.labels, series.value, series.process, variant))
+    return found
 
 
 def _merge_scalars(groups: dict[tuple, dict[str, float]], kind: Kind) -> tuple[float, bool]:
@@ -96,12 +123,9 @@ def _merge_scalars(groups: dict[tuple, dict[str, float]], kind: Kind) -> tuple[f
     return max(per_variant), len(per_variant) > 1
 
 
-def _scalar(scan: PageScan, spec: FamilySpec, name: str, who: Identity, roles: EngineLabels, out: Selection) -> bool:
+def _scalar(index: Index, spec: FamilySpec, name: str, who: Identity, out: Selection) -> bool:
     groups: dict[tuple, dict[str, float]] = {}
-    for labels, value in scan.samples.get(name, ()):
-        ok, process, variant = _applies(labels, spec, who, roles)
-        if not ok:
-            continue
+    for labels, value, process, variant in _series_for(index, spec, name, who):
         if not math.isfinite(value) or value < 0:
             out.problems.append(f"{name}{labels} = {value}: not a valid {spec.kind} value, dropped")
             out.missing[who][spec.field] = f"{name} was {value} (not a valid value)"
@@ -116,14 +140,11 @@ def _scalar(scan: PageScan, spec: FamilySpec, name: str, who: Identity, roles: E
     return True
 
 
-def _histogram(scan: PageScan, spec: FamilySpec, base: str, who: Identity, roles: EngineLabels, out: Selection) -> bool:
+def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Selection) -> bool:
     # per (variant, process): buckets by le, count, sum
     parts: dict[tuple, dict[str, object]] = {}
     for suffix in ("_bucket", "_count", "_sum"):
-        for labels, value in scan.samples.get(base + suffix, ()):
-            ok, process, variant = _applies(labels, spec, who, roles)
-            if not ok:
-                continue
+        for labels, value, process, variant in _series_for(index, spec, base + suffix, who):
             part = parts.setdefault((variant, process), {"buckets": []})
             if suffix == "_bucket":
                 edge = _edge(labels.get("le"))
@@ -173,7 +194,7 @@ def _sum_histograms(histograms: list[Histogram]) -> Histogram | None:
     )
 
 
-def select(scan: PageScan, specs: tuple[FamilySpec, ...], roles: EngineLabels, who_all: list[Identity]) -> Selection:
+def select(index: Index, specs: tuple[FamilySpec, ...], who_all: list[Identity]) -> Selection:
     """Reads every spec's field for every identity; the first family present wins (even if invalid)."""
     out = Selection()
     for who in who_all:
@@ -181,7 +202,7 @@ def select(scan: PageScan, specs: tuple[FamilySpec, ...], roles: EngineLabels, w
         out.missing[who] = {}
         for spec in specs:
             reader: Callable[..., bool] = _histogram if spec.kind == "histogram" else _scalar
-            found = any(reader(scan, spec, name, who, roles, out) for name in spec.names)
+            found = any(reader(index, spec, name, who, out) for name in spec.names)
             if not found:
                 out.missing[who][spec.field] = f"no {' or '.join(spec.names)} on the page"
     return out
