@@ -146,3 +146,33 @@ def test_fuzz_cut_and_corrupted_real_pages(cut: int, flips: list[tuple[int, str]
         for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "prompt_tokens_total"):
             value = getattr(snapshot, name)
             assert value is None or (math.isfinite(value) and value >= 0)
+
+
+@pytest.mark.parametrize("name", ["vllm_v1_RECONSTRUCTED_single_process.txt", "vllm_v1_RECONSTRUCTED_multiprocess.txt"])
+def test_agrees_with_prometheus_client_parser_on_every_sample(name: str) -> None:
+    """Every sample of the page, read by this reader and by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (DATA / "vllm" / name).read_text()
+    theirs = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    scan = scan_page(text, frozenset(sample_name for sample_name, _ in theirs))
+    ours = {(n, tuple(sorted(labels.items()))): value for n, series in scan.samples.items() for labels, value in series}
+    assert ours == theirs
+    assert scan.problems == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,10}", fullmatch=True), st.text(max_size=30), max_size=5))
+def test_label_values_round_trip_through_prometheus_escaping(labels: dict[str, str]) -> None:
+    # Escaping as prometheus_client's exposition writes it: backslash, newline, quote.
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+    line = "m{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "} 1"
+    parsed = parse_labels(line, 1)
+    assert parsed is not None
+    assert parsed[0] == labels
