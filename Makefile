@@ -48,8 +48,11 @@ test-rules:
 # Regenerate the committed Grafana JSON from code, and copy rules/dashboards into the chart.
 dashboards: $(STAMP)
 	$(BIN)/python -m dashboards.build
+	$(MAKE) chart-sync
 
+# Fresh copies (no symlinks: .Files cannot read outside the chart); tests/test_helm_chart.py fails on drift.
 chart-sync:
+	rm -rf helm/stepbudget/files/rules helm/stepbudget/files/dashboards
 	mkdir -p helm/stepbudget/files/rules helm/stepbudget/files/dashboards
 	cp rules/*.yaml helm/stepbudget/files/rules/
 	cp dashboards/*.json helm/stepbudget/files/dashboards/

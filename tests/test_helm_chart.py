@@ -1,0 +1,414 @@
+"""The Helm chart, rendered by the real helm binary and checked object by object.
+
+Core objects are validated against the Kubernetes OpenAPI schemas (kubernetes-validate, strict);
+the CRDs it cannot know (ServiceMonitor, PrometheusRule, ScaledObject) are checked for the fields
+their operators read. The PrometheusRule's rules go through promtool, the ConfigMap's config
+through `stepbudget check-config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.monitoring_support import REPO, known_metrics, metric_names, promtool_check_exprs
+from tests.tools import require_tool
+
+CHART = REPO / "helm" / "stepbudget"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+STATEFULSET_VALUES = CHART / "ci" / "statefulset-values.yaml"
+DEPLOYMENT_VALUES = CHART / "ci" / "deployment-values.yaml"
+NAMESPACE = "monitoring"
+RELEASE = "sb"
+K8S_VERSION = "1.30"
+CONFIG_PATH = "/etc/stepbudget/config.yaml"
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
+DEFAULT_RUNBOOK_BASE = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
+VALUE_SETS = [None, *CI_VALUES]
+
+
+def _id(values: Path | None) -> str:
+    return values.name if values else "default"
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([require_tool("helm"), *args], capture_output=True, text=True, check=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _render_text(values: Path | None, sets: tuple[str, ...] = ()) -> str:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    if values:
+        args += ["-f", str(values)]
+    for item in sets:
+        args += ["--set", item]
+    result = _helm(*args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def render(values: Path | None = None, *sets: str) -> list[dict]:
+    """Every object `helm template` produces for these values."""
+    return [doc for doc in yaml.safe_load_all(_render_text(values, tuple(sets))) if doc]
+
+
+def _merge(base: dict, overlay: dict) -> dict:
+    """Helm's values coalescing: maps merge key by key, anything else (lists too) replaces."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        both_maps = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merge(base[key], value) if both_maps else value
+    return merged
+
+
+def _values(values: Path | None) -> dict:
+    """The effective values: chart defaults overlaid with the file."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    return _merge(defaults, yaml.safe_load(values.read_text())) if values else defaults
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = of_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def workload(docs: list[dict]) -> dict:
+    found = of_kind(docs, "Deployment") + of_kind(docs, "StatefulSet")
+    assert len(found) == 1, [d["kind"] for d in found]
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    return workload(docs)["spec"]["template"]["spec"]["containers"][0]
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    """Kubernetes label-selector semantics for matchLabels and Exists/DoesNotExist expressions."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        present = expression["key"] in labels
+        if expression["operator"] == "DoesNotExist" and present:
+            return False
+        if expression["operator"] == "Exists" and not present:
+            return False
+    return True
+
+
+# --- helm lint and the objects rendered ---------------------------------------------------------
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_helm_lint_strict(values: Path | None) -> None:
+    args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE] + (["-f", str(values)] if values else [])
+    result = _helm(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_default_values_render_only_the_core_objects() -> None:
+    kinds = sorted(doc["kind"] for doc in render())
+    assert kinds == ["ConfigMap", "Deployment", "Service", "ServiceAccount"]
+
+
+def test_every_option_on_renders_every_object() -> None:
+    sharded = sorted(doc["kind"] for doc in render(STATEFULSET_VALUES))
+    dashboards = len(list((CHART / "files" / "dashboards").glob("*.json")))
+    # Two namespaces (llm, agents) are discovered through the Kubernetes API: a Role each.
+    assert sharded == sorted(
+        ["ConfigMap"] * (1 + dashboards)
+        + ["NetworkPolicy", "PrometheusRule", "Role", "Role", "RoleBinding", "RoleBinding", "ScaledObject",
+           "Service", "Service", "ServiceAccount", "ServiceMonitor", "StatefulSet"]
+    )
+    unsharded = sorted(doc["kind"] for doc in render(DEPLOYMENT_VALUES))
+    assert unsharded == sorted(
+        ["ConfigMap"] * (1 + dashboards)
+        + ["Deployment", "NetworkPolicy", "PrometheusRule", "ScaledObject", "Service", "ServiceAccount",
+           "ServiceMonitor"]
+    )
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_core_objects_pass_strict_kubernetes_schemas(values: Path | None) -> None:
+    unknown = set()
+    for doc in render(values):
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            unknown.add(doc["kind"])
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {error}")
+    assert unknown <= CRD_KINDS, f"only the CRDs may lack a schema: {unknown - CRD_KINDS}"
+
+
+def test_strict_validation_catches_a_bad_field() -> None:
+    """The schema check above can fail: a misspelt field in a rendered Deployment is refused."""
+    deployment = workload(render())
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+# --- the pod ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_pod_is_hardened(values: Path | None) -> None:
+    docs = render(values)
+    pod = workload(docs)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = container(docs)["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert not security.get("privileged", False)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_probes_args_config_mount_and_resources(values: Path | None) -> None:
+    docs = render(values)
+    main = container(docs)
+    assert main["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "http"}
+    assert main["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": "http"}
+    assert main["args"][:3] == ["serve", "--config", CONFIG_PATH]
+    mount = next(m for m in main["volumeMounts"] if m["name"] == "config")
+    assert mount["mountPath"] == str(Path(CONFIG_PATH).parent) and mount["readOnly"] is True
+    volume = next(v for v in workload(docs)["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    config_map = next(c for c in of_kind(docs, "ConfigMap") if c["metadata"]["name"] == volume["configMap"]["name"])
+    assert Path(CONFIG_PATH).name in config_map["data"]
+    assert main["resources"] == _values(values)["resources"]
+
+
+def test_resources_extra_args_and_image_digest_are_settable() -> None:
+    digest = "sha256:" + "ab" * 32
+    docs = render(None, "resources.limits.memory=300Mi", "extraArgs[0]=--example-flag", f"image.digest={digest}")
+    main = container(docs)
+    assert main["resources"] == {"limits": {"memory": "300Mi"}}
+    assert main["args"][-1] == "--example-flag"
+    assert main["image"] == f"stepbudget/stepbudget@{digest}"
+
+
+def test_config_changes_roll_the_pods() -> None:
+    """The pod template carries a checksum of the config, so a new config restarts the daemon."""
+    def checksum(*sets: str) -> str:
+        return workload(render(None, *sets))["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    assert checksum() != checksum("config.poll_interval=30s")
+
+
+# --- StatefulSet mode (sharding) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("replicas", [3, 5])
+def test_statefulset_replica_passes_its_ordinal_and_the_replica_count(replicas: int) -> None:
+    docs = render(STATEFULSET_VALUES, f"replicas={replicas}")
+    sts = one(docs, "StatefulSet")
+    assert sts["spec"]["replicas"] == replicas
+    args = container(docs)["args"]
+    shard = args[args.index("--shard") + 1]
+    env = {e["name"]: e for e in container(docs)["env"]}
+    index_var = re.fullmatch(r"\$\((\w+)\)/(\d+)", shard)
+    assert index_var and int(index_var.group(2)) == replicas
+    field = env[index_var.group(1)]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert field == "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+def test_statefulset_has_a_headless_governing_service_not_scraped_twice() -> None:
+    docs = render(STATEFULSET_VALUES)
+    sts = one(docs, "StatefulSet")
+    services = {s["metadata"]["name"]: s for s in of_kind(docs, "Service")}
+    headless = services[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    monitor = one(docs, "ServiceMonitor")["spec"]["selector"]
+    scraped = [name for name, s in services.items() if _matches(monitor, s["metadata"]["labels"])]
+    assert scraped == [name for name in services if name != sts["spec"]["serviceName"]]
+
+
+def test_deployment_mode_has_no_shard_flag() -> None:
+    assert "--shard" not in container(render(DEPLOYMENT_VALUES))["args"]
+
+
+# --- ServiceAccount and pod discovery -----------------------------------------------------------
+
+def test_pod_discovery_rbac_only_where_the_config_discovers() -> None:
+    docs = render(STATEFULSET_VALUES)
+    config = _values(STATEFULSET_VALUES)["config"]
+    wanted = {d["targets"]["kubernetes"]["namespace"] for d in config["deployments"] if "kubernetes" in d["targets"]}
+    roles = of_kind(docs, "Role")
+    assert {r["metadata"]["namespace"] for r in roles} == wanted
+    for role in roles:
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    account = one(docs, "ServiceAccount")["metadata"]["name"]
+    for binding in of_kind(docs, "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+        assert binding["roleRef"]["name"] in {r["metadata"]["name"] for r in roles}
+    assert workload(docs)["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert not of_kind(render(STATEFULSET_VALUES, "rbac.create=false"), "Role")
+
+
+def test_no_api_token_without_kubernetes_discovery() -> None:
+    for values in (None, DEPLOYMENT_VALUES):
+        docs = render(values)
+        assert not of_kind(docs, "Role") and not of_kind(docs, "RoleBinding")
+        assert workload(docs)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+# --- the daemon's config ------------------------------------------------------------------------
+
+def _rendered_config(values: Path | None) -> dict:
+    config_map = next(c for c in of_kind(render(values), "ConfigMap") if "config.yaml" in c["data"])
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_config_map_holds_values_config_listening_on_the_container_port(values: Path | None) -> None:
+    effective = _values(values)
+    config = _rendered_config(values)
+    assert config == {**effective["config"], "listen": f":{effective['port']}"}
+    port = container(render(values))["ports"][0]
+    assert port == {"name": "http", "containerPort": effective["port"], "protocol": "TCP"}
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_rendered_config_passes_stepbudget_check_config(values: Path | None, tmp_path: Path) -> None:
+    """Depends on exporter/config.py (`stepbudget check-config`), owned by another issue."""
+    cli = Path(sys.executable).parent / "stepbudget"
+    assert cli.exists(), f"{cli} missing: `pip install -e .` first"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_rendered_config(values)))
+    # The pod gets VLLM_TOKEN from a Secret (ci/statefulset-values.yaml's bearer_token_env).
+    env = {**os.environ, "VLLM_TOKEN": "token-for-the-test"}
+    result = subprocess.run([str(cli), "check-config", str(path)], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- CRDs: shapes the operators read ------------------------------------------------------------
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=_id)
+def test_service_monitor_scrapes_the_service_port_with_honor_labels(values: Path) -> None:
+    docs = render(values)
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = next(s for s in of_kind(docs, "Service") if _matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics" and endpoint["honorLabels"] is True
+    for key in ("interval", "scrapeTimeout"):
+        assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint[key]), endpoint[key]
+    drop = endpoint["relabelings"][0]
+    assert drop["action"] == "labeldrop"
+    assert {"namespace", "pod", "service", "endpoint", "container"} == set(drop["regex"].strip("()").split("|"))
+    assert set(_values(values)["serviceMonitor"]["labels"].items()) <= set(monitor["metadata"]["labels"].items())
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=_id)
+def test_prometheus_rule_is_rules_dir_and_passes_promtool(values: Path, tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    rule = one(render(values), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    base = _values(values)["prometheusRule"]["runbookBaseUrl"] or DEFAULT_RUNBOOK_BASE
+    expected = []
+    for path in sorted((REPO / "rules").glob("*.yaml")):
+        expected += yaml.safe_load(path.read_text().replace(DEFAULT_RUNBOOK_BASE, base))["groups"]
+    assert rule["spec"]["groups"] == expected
+    rule_file = tmp_path / "rendered.rules.yaml"
+    rule_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = subprocess.run([promtool, "check", "rules", "--lint=all", "--lint-fatal", str(rule_file)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=_id)
+def test_dashboard_config_maps_carry_the_sidecar_label_and_the_json(values: Path) -> None:
+    settings = _values(values)["grafanaDashboards"]
+    maps = [c for c in of_kind(render(values), "ConfigMap") if settings["label"] in c["metadata"]["labels"]]
+    files = sorted((REPO / "dashboards").glob("*.json"))
+    assert len(maps) == len(files)
+    by_file = {name: c for c in maps for name in c["data"]}
+    for path in files:
+        config_map = by_file[path.name]
+        assert config_map["metadata"]["labels"][settings["label"]] == "1"
+        assert config_map["metadata"]["namespace"] == (settings["namespace"] or NAMESPACE)
+        assert json.loads(config_map["data"][path.name]) == json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=_id)
+def test_keda_scales_on_token_budget_utilization_not_requests(values: Path) -> None:
+    promtool = require_tool("promtool")
+    settings = _values(values)["keda"]
+    scaled = one(render(values), "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"]["name"] == settings["scaleTargetRef"]["name"]
+    assert scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+    query = trigger["metadata"]["query"]
+    assert metric_names(query) == {"deployment_model_name:stepbudget_token_budget_utilization:ratio"}
+    assert metric_names(query) <= known_metrics()
+    assert f'deployment="{settings["deployment"]}"' in query
+    assert float(trigger["metadata"]["threshold"]) == float(settings["threshold"])
+    result = promtool_check_exprs(promtool, [query])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=_id)
+def test_network_policy_admits_scrapes_and_allows_dns(values: Path) -> None:
+    docs = render(values)
+    policy = one(docs, "NetworkPolicy")["spec"]
+    pod_labels = workload(docs)["spec"]["template"]["metadata"]["labels"]
+    assert _matches(policy["podSelector"], pod_labels)
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
+    egress_ports = [p for rule in policy["egress"] for p in rule["ports"]]
+    assert {"port": 53, "protocol": "UDP"} in egress_ports
+    assert all(p in egress_ports for p in _values(values)["networkPolicy"]["egressPorts"])
+
+
+# --- values.schema.json -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ("mode=daemonset", "mode"),
+        ("replicas=0", "replicas"),
+        ("config.listen=:1234", "config"),
+        ("securityContext.allowPrivilegeEscalation=yes", "allowPrivilegeEscalation"),
+        ("serviceMonitor.interval=30 seconds", "interval"),
+        ("keda.threshold=high", "threshold"),
+        ("unknownKey=1", "unknownKey"),
+    ],
+)
+def test_schema_rejects_bad_values(setting: str, key: str) -> None:
+    result = _helm("template", RELEASE, str(CHART), "--set", setting)
+    assert result.returncode != 0, f"{setting} was accepted"
+    assert key in result.stderr
+
+
+def test_keda_requires_a_scale_target() -> None:
+    result = _helm("template", RELEASE, str(CHART), "--set", "keda.enabled=true", "--set", "keda.deployment=chat")
+    assert result.returncode != 0 and "keda.scaleTargetRef.name is required" in result.stderr
+
+
+# --- make chart-sync drift ----------------------------------------------------------------------
+
+def test_chart_files_are_exact_copies_of_rules_and_dashboards() -> None:
+    """`make chart-sync` copies rules/ and dashboards/ into the chart; run it after changing either."""
+    pairs = [(REPO / "rules", "*.yaml", CHART / "files" / "rules"),
+             (REPO / "dashboards", "*.json", CHART / "files" / "dashboards")]
+    for source, pattern, copy in pairs:
+        originals = {p.name: p.read_bytes() for p in source.glob(pattern)}
+        copies = {p.name: p.read_bytes() for p in copy.iterdir()}
+        assert copies == originals, f"{copy} drifted from {source}: run `make chart-sync`"
