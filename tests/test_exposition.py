@@ -19,6 +19,8 @@ REAL_PAGE = (DATA / "vllm" / "vllm_v1_RECONSTRUCTED_single_process.txt").read_te
 def test_selects_exact_sample_names_only() -> None:
     page = (
         'vllm:prompt_tokens_total{model_name="m"} 10.0\n'
+        "# HELP vllm:prompt_tokens_cached_total HELP and TYPE lines may sit anywhere\n"
+        "# TYPE vllm:prompt_tokens_cached_total counter\n"
         'vllm:prompt_tokens_cached_total{model_name="m"} 7.0\n'
         'vllm:prompt_tokens_by_source_total{model_name="m",source="local"} 3.0\n'
         'vllm:prompt_tokens_created{model_name="m"} 1.7959705e+09\n'

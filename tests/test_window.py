@@ -7,15 +7,18 @@ count reaches the rank, interpolate linearly between its lower and upper edge.
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from exporter.engines import read_page
-from exporter.snapshot import Snapshot
+from exporter.snapshot import Histogram, Snapshot
 from exporter.window import compute_window, histogram_quantile
 
 EDGES = ("0.01", "0.025", "0.05")
@@ -152,3 +155,37 @@ def test_median_agrees_with_real_promql(tmp_path: Path, before: list[float], aft
     )
     result = subprocess.run(["promtool", "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _histogram(edges: list[float], increments: list[int]) -> Histogram:
+    counts, running = [], 0.0
+    for step in increments:
+        running += step
+        counts.append(running)
+    buckets = tuple(zip(edges + [float("inf")], counts))
+    return Histogram(buckets=buckets, count=running, sum=sum(e * i for e, i in zip(edges + [edges[-1] * 2], increments)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    edges=st.lists(st.floats(0.001, 10), min_size=1, max_size=6, unique=True).map(sorted),
+    data=st.data(),
+)
+def test_fuzz_windows_are_never_negative_nan_or_outside_the_edges(edges: list[float], data: st.DataObject) -> None:
+    increments = st.lists(st.integers(0, 50), min_size=len(edges) + 1, max_size=len(edges) + 1)
+    counters = st.one_of(st.none(), st.floats(0, 1e6))
+    snaps = [
+        Snapshot(
+            kind="vllm", model_name="m", engine="0",
+            inter_token_latency=data.draw(st.one_of(st.none(), increments.map(lambda inc: _histogram(edges, inc)))),
+            prompt_tokens_total=data.draw(counters), engine_steps_total=data.draw(counters),
+        )
+        for _ in range(2)
+    ]
+    window = compute_window(snaps[0], snaps[1])
+    for value in (window.measured_step_mean_seconds, window.prefill_tokens_per_step, window.tokens_generated):
+        assert value is None or (math.isfinite(value) and value >= 0)
+    median = window.measured_step_median_seconds
+    assert median is None or 0 <= median <= edges[-1]
+    if window.counter_reset:
+        assert (window.measured_step_mean_seconds, median, window.prefill_tokens_per_step) == (None, None, None)
