@@ -71,6 +71,11 @@ def test_malformed_lines_are_skipped_and_counted() -> None:
     assert scan.problems == ["2 malformed line(s) skipped (first at line 2)"]
 
 
+def test_byte_order_mark_does_not_hide_the_first_sample() -> None:
+    scan = scan_page('\ufeffx{a="1"} 2\n', frozenset({"x"}))
+    assert scan.samples == {"x": [({"a": "1"}, 2.0)]}
+
+
 def test_last_line_without_newline_is_dropped_as_cut_off() -> None:
     # "0.125" cut to "0.12" would be misread; a page ends with a newline, so the stub is dropped.
     scan = scan_page('u{e="0"} 1\nu{e="1"} 0.12', frozenset({"u"}))
@@ -89,6 +94,7 @@ def test_last_line_without_newline_is_dropped_as_cut_off() -> None:
         ('{"error": "not found"}\n', "not Prometheus text"),
         ("process_open_fds 6.0\n", "no known engine metrics"),
         ("Not Found\n", "not Prometheus text"),
+        ("# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n", "no samples"),
     ],
 )
 def test_unusable_pages_raise_page_error_with_a_reason(page: str, reason: str) -> None:

@@ -148,7 +148,7 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
     """
     _check_is_text(text)
     scan = PageScan()
-    lines = text.split("\n")
+    lines = text.lstrip("\ufeff").split("\n")  # a byte-order mark would hide the first name
     if lines[-1].strip() and not lines[-1].lstrip().startswith("#"):
         scan.problems.append("page ends mid-line (truncated?): its last line was dropped")
     lines.pop()  # the part after the final newline: empty on a complete page
@@ -174,6 +174,8 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
             scan.malformed_lines += 1
             first_bad = first_bad or number
     if not scan.samples and not _any_sample(lines):
+        if scan.malformed_lines == 0 and scan.sample_lines == 0:
+            raise PageError("no samples", "the page holds only comments (HELP/TYPE without values)")
         raise PageError("not Prometheus text", f"no line reads as a sample (first bad line {first_bad or 1})")
     if scan.malformed_lines:
         scan.problems.append(f"{scan.malformed_lines} malformed line(s) skipped (first at line {first_bad})")
