@@ -84,7 +84,8 @@ class StepBudgetServer:
         self.routes[key] = handler
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="stepbudget-http", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="stepbudget-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

@@ -1,0 +1,197 @@
+"""Every exported metric over a two-poll sequence, each value worked out by hand in the test from
+the pages served and the model's inputs; plus the export's hygiene (no stale label sets, nothing
+exported as NaN, labels exactly as DESIGN §3).
+
+The model servers are real HTTP servers on 127.0.0.1 serving vLLM V1 pages built from numbers
+(tests/conftest.py), and SGLang/TGI captures from tests/data.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter import __version__
+from exporter.collector import PER_TARGET, make_registry
+from exporter.config import Config, config_from_mapping
+from exporter.poller import Poller
+from exporter.presets import get_gpu, get_model_preset
+from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, vllm_page
+
+DATA = Path(__file__).parent / "data"
+
+
+def make_config(urls: list[str], **deployment: object) -> Config:
+    return config_from_mapping({
+        "poll_interval": "15s", "stale_after": "60s",
+        "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                         "targets": {"static": urls}, **deployment}],
+    })
+
+
+def scrape(config: Config, poller: Poller) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The collector's exposition, parsed back: sample name -> [(labels, value)]."""
+    text = generate_latest(make_registry(poller.readings, config.deployments)).decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def only(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    assert len(samples[name]) == 1, samples.get(name)
+    return samples[name][0][1]
+
+
+def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    config = make_config([page_server.url], effective_bandwidth=2e12, target_tokens_per_second=50, headroom=0.9)
+    poller = make_poller(config, clock)
+    first = VllmState(running=6, waiting=0, kv_usage_ratio=0.1, preemptions=3, prompt_tokens=1000, engine_steps=500,
+                      itl_buckets={0.01: 10, 0.025: 60, 0.05: 100, 0.1: 100}, itl_count=100, itl_sum=1.5)
+    second = VllmState(running=8, waiting=2, kv_usage_ratio=0.3, preemptions=5, prompt_tokens=5000, engine_steps=700,
+                       itl_buckets={0.01: 20, 0.025: 150, 0.05: 280, 0.1: 300}, itl_count=300, itl_sum=5.9)
+    page_server.serve_text(vllm_page(first))
+    poller.poll_once()
+    clock.advance(15)
+    page_server.serve_text(vllm_page(second))
+    poller.poll_once()
+    samples = scrape(config, poller)
+
+    labels = {"deployment": "chat", "target": page_server.url.removeprefix("http://").removesuffix("/metrics"),
+              "model_name": "Qwen/Qwen3-8B", "engine": "0"}
+    for spec in PER_TARGET:
+        for sample_labels, _ in samples.get(spec.name, []):
+            assert sample_labels == labels, spec.name
+
+    # Inputs of the model, written out: Qwen3-8B, 36 layers, 8 KV heads of 128, 8.19e9 params, bf16.
+    arch = get_model_preset("qwen3-8b")
+    kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 2
+    weights = arch.params * 2
+    bandwidth = 2e12
+    compute = 0.5 * get_gpu("h100-sxm").peak_flops_per_second["bf16"]
+
+    tokens = 0.3 * 4096 * 16  # usage ratio x GPU blocks x block size
+    measured_mean = (5.9 - 1.5) / (300 - 100)
+    # Median from bucket deltas as histogram_quantile: 200 observations, rank 100; deltas
+    # 0.01:10, 0.025:90, 0.05:180 -> inside (0.025, 0.05], 10 of that bucket's 90 in.
+    measured_median = 0.025 + (0.05 - 0.025) * (100 - 90) / (180 - 90)
+    prefill = (5000 - 1000) / (700 - 500)
+    memory_step = (weights + kv_per_token * tokens) / bandwidth
+    compute_step = 2 * arch.params * (8 + prefill) / compute
+    predicted = max(memory_step, compute_step)
+    step_budget = 0.9 / 50
+    token_budget = (step_budget * bandwidth - weights) / kv_per_token
+
+    assert only(samples, "stepbudget_target_up") == 1
+    assert only(samples, "stepbudget_target_scrape_duration_seconds") == pytest.approx(0.125)
+    assert only(samples, "stepbudget_target_last_success_timestamp_seconds") == clock.now
+    assert only(samples, "stepbudget_tokens_in_flight") == pytest.approx(tokens)
+    assert only(samples, "stepbudget_kv_cache_capacity_tokens") == 4096 * 16
+    assert only(samples, "stepbudget_kv_cache_usage_ratio") == pytest.approx(0.3)
+    assert only(samples, "stepbudget_requests_running") == 8
+    assert only(samples, "stepbudget_requests_waiting") == 2
+    assert only(samples, "stepbudget_preemptions_total") == 5
+    assert only(samples, "stepbudget_prefill_tokens_per_step") == pytest.approx(prefill)
+    assert only(samples, "stepbudget_step_read_bytes") == pytest.approx(weights + kv_per_token * tokens)
+    assert only(samples, "stepbudget_predicted_memory_step_seconds") == pytest.approx(memory_step)
+    assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(compute_step)
+    assert only(samples, "stepbudget_predicted_step_seconds") == pytest.approx(predicted)
+    assert only(samples, "stepbudget_measured_step_seconds") == pytest.approx(measured_mean)
+    assert only(samples, "stepbudget_measured_step_median_seconds") == pytest.approx(measured_median)
+    assert only(samples, "stepbudget_prediction_error_ratio") == pytest.approx((predicted - measured_mean) / measured_mean)
+    assert only(samples, "stepbudget_predicted_user_tokens_per_second") == pytest.approx(1 / predicted)
+    assert only(samples, "stepbudget_step_budget_seconds") == pytest.approx(step_budget)
+    assert only(samples, "stepbudget_token_budget_tokens") == pytest.approx(token_budget)
+    assert only(samples, "stepbudget_token_budget_utilization_ratio") == pytest.approx(tokens / token_budget)
+    [(bw_labels, bw_value)] = samples["stepbudget_effective_bandwidth_bytes_per_second"]
+    assert bw_labels == {**labels, "source": "configured"} and bw_value == bandwidth
+
+    assert samples["stepbudget_kv_bytes_per_token"] == [({"deployment": "chat"}, kv_per_token)]
+    assert samples["stepbudget_weight_bytes"] == [({"deployment": "chat"}, weights)]
+    assert samples["stepbudget_model_info"] == [({"deployment": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                                                  "tensor_parallel": "1", "kv_cache_dtype": "auto"}, 1.0)]
+    assert samples["stepbudget_build_info"] == [({"version": __version__}, 1.0)]
+
+
+def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    """One poll gives no window: measured, error and prefill are left out, not exported as 0."""
+    config = make_config([page_server.url])
+    poller = make_poller(config, clock)
+    page_server.serve_text(vllm_page(VllmState(running=2, kv_usage_ratio=0.05, itl_count=10, itl_sum=0.2)))
+    poller.poll_once()
+    samples = scrape(config, poller)
+    for name in ("stepbudget_measured_step_seconds", "stepbudget_measured_step_median_seconds",
+                 "stepbudget_prediction_error_ratio", "stepbudget_prefill_tokens_per_step"):
+        assert name not in samples, name
+    assert only(samples, "stepbudget_tokens_in_flight") == pytest.approx(0.05 * 4096 * 16)
+    # Decode only, since the prefill rate is unknown: 2 tokens in the step.
+    arch = get_model_preset("qwen3-8b")
+    compute = 0.5 * get_gpu("h100-sxm").peak_flops_per_second["bf16"]
+    assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(2 * arch.params * 2 / compute)
+    # The default bandwidth is 0.6 x the datasheet peak, and says so.
+    [(bw_labels, bw_value)] = samples["stepbudget_effective_bandwidth_bytes_per_second"]
+    assert bw_labels["source"] == "default" and bw_value == pytest.approx(0.6 * 3.35e12)
+
+
+def test_two_engines_on_one_page_are_two_readings(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    config = make_config([page_server.url])
+    poller = make_poller(config, clock)
+    page_server.serve_text(vllm_page(VllmState(engine="0", running=1, kv_usage_ratio=0.25),
+                                     VllmState(engine="1", running=3, kv_usage_ratio=0.5)))
+    poller.poll_once()
+    tokens = {labels["engine"]: value for labels, value in scrape(config, poller)["stepbudget_tokens_in_flight"]}
+    assert tokens == {"0": pytest.approx(0.25 * 65536), "1": pytest.approx(0.5 * 65536)}
+
+
+def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: ManualClock, make_poller: MakePoller) -> None:
+    """Fresh families per scrape: a model renamed on the server or a target no longer discovered
+    leaves no series behind."""
+    first, second = make_page_server(), make_page_server()
+    config = make_config([first.url, second.url])
+    poller = make_poller(config, clock)
+    first.serve_text(vllm_page(VllmState(model_name="old-model", running=1, kv_usage_ratio=0.1)))
+    second.serve_text(vllm_page(VllmState(running=1, kv_usage_ratio=0.1)))
+    poller.poll_once()
+    assert {labels["model_name"] for labels, _ in scrape(config, poller)["stepbudget_target_up"]} == {"old-model", "Qwen/Qwen3-8B"}
+    first.serve_text(vllm_page(VllmState(model_name="new-model", running=1, kv_usage_ratio=0.1)))
+    poller._discovery._deployments = make_config([first.url]).deployments  # discovery now finds one target
+    poller.poll_once()
+    samples = scrape(config, poller)
+    assert [labels["model_name"] for labels, _ in samples["stepbudget_target_up"]] == ["new-model"]
+    assert all(labels["model_name"] == "new-model" for labels, _ in samples["stepbudget_tokens_in_flight"])
+
+
+@pytest.mark.parametrize("capture, kind", [
+    ("sglang/sglang_metrics_sample_v0.5.1_issue13485_partial.txt", "sglang"),
+    ("sglang/sglang_metrics_sample_2024-11_pr1853_partial.txt", "sglang"),
+    ("tgi/tgi_CONSTRUCTED_from_source.txt", "tgi"),
+    ("vllm/vllm_v1_RECONSTRUCTED_multiprocess.txt", "vllm"),
+    ("vllm/vllm_metrics_sample_v1_0.8era_production-stack_issue318_partial.txt", "vllm"),
+])
+def test_each_engine_kind_flows_through(page_server: PageServer, clock: ManualClock, capture: str, kind: str, make_poller: MakePoller) -> None:
+    """A real capture of each engine becomes up readings, the engine kind detected, and every
+    exported value finite (nothing invalid slips out as a number)."""
+    from exporter.engines import read_page
+
+    text = (DATA / capture).read_text()
+    expected = read_page(text)
+    config = make_config([page_server.url])
+    poller = make_poller(config, clock)
+    page_server.serve_text(text)
+    poller.poll_once()
+    assert [state.kind for state in poller.target_states()] == [kind]
+    samples = scrape(config, poller)
+    ups = samples["stepbudget_target_up"]
+    assert len(ups) == len(expected.snapshots) and all(value == 1 for _, value in ups)
+    for snapshot in expected.snapshots:
+        if snapshot.tokens_in_flight is not None:
+            direct = [v for labels, v in samples["stepbudget_tokens_in_flight"]
+                      if labels.get("model_name", "") == snapshot.model_name and labels.get("engine", "") == snapshot.engine]
+            assert direct == [snapshot.tokens_in_flight]
+    for name, rows in samples.items():
+        assert all(math.isfinite(value) for _, value in rows), name

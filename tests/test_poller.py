@@ -1,0 +1,321 @@
+"""The poller under failure: every way a model server can misbehave gives `stepbudget_target_up 0`
+or a clearly logged partial reading, never a crash and never a wrong number exported as valid.
+
+Fetch-level failures use `responses` (it mocks `requests` itself); everything else is a real HTTP
+server on 127.0.0.1. Time is injected: the poll clock is a ManualClock, the fetch deadline's clock
+is injected where the test is about the deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from typing import Iterator
+
+import pytest
+import requests
+import responses
+import structlog
+from structlog.testing import capture_logs
+
+from exporter.config import Config, Tls, config_from_mapping
+from exporter.poller import FetchError, HttpFetcher
+from exporter.reading import Reading
+from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, free_port, send_text, vllm_page
+
+TRUNCATED_MARK = "vllm:inter_token_latency_seconds_bucket"
+
+
+def make_config(urls: list[str], **top: object) -> Config:
+    return config_from_mapping({
+        "poll_interval": "15s", "stale_after": "60s", "timeout": "2s", **top,
+        "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": urls}}],
+    })
+
+
+def busy_page() -> str:
+    return vllm_page(VllmState(running=4, kv_usage_ratio=0.2, itl_count=100, itl_sum=2.0, engine_steps=50,
+                               prompt_tokens=500, itl_buckets={0.01: 10, 0.025: 80, 0.05: 100, 0.1: 100}))
+
+
+def only_reading(readings: tuple[Reading, ...]) -> Reading:
+    assert len(readings) == 1, readings
+    return readings[0]
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()
+
+
+# --- fetch level, with `responses` -------------------------------------------------------------------
+
+URL = "http://model-server.invalid:8000/metrics"
+
+
+@responses.activate
+def test_fetch_connection_refused_is_a_fetch_error() -> None:
+    responses.get(URL, body=requests.ConnectionError("[Errno 111] Connection refused"))
+    with pytest.raises(FetchError, match="connection failed: Connection refused"):
+        HttpFetcher(1.0, 1000)(URL, bearer_token=None, tls=Tls())
+
+
+@responses.activate
+def test_fetch_timeout_is_a_fetch_error() -> None:
+    responses.get(URL, body=requests.ReadTimeout("read timed out"))
+    with pytest.raises(FetchError, match="timed out after 1s"):
+        HttpFetcher(1.0, 1000)(URL, bearer_token=None, tls=Tls())
+
+
+@responses.activate
+def test_fetch_http_500_is_a_fetch_error() -> None:
+    responses.get(URL, body="oops", status=500)
+    with pytest.raises(FetchError, match="HTTP 500"):
+        HttpFetcher(1.0, 1000)(URL, bearer_token=None, tls=Tls())
+
+
+@responses.activate
+def test_fetch_sends_bearer_token_and_tls_settings(tmp_path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not used by responses")
+    responses.get(URL, body="x 1\n")
+    fetcher = HttpFetcher(1.0, 1000)
+    assert fetcher(URL, bearer_token="s3cret", tls=Tls(ca_file=str(ca))) == "x 1\n"
+    fetcher(URL, bearer_token=None, tls=Tls(insecure_skip_verify=True))
+    first, second = responses.calls
+    assert first.request.headers["Authorization"] == "Bearer s3cret"
+    assert first.request.req_kwargs["verify"] == str(ca)
+    assert first.request.req_kwargs["timeout"] == (1.0, 1.0)
+    assert "Authorization" not in second.request.headers and second.request.req_kwargs["verify"] is False
+
+
+# --- fetch level, real servers -------------------------------------------------------------------------
+
+
+def test_slow_loris_server_cannot_hold_a_worker_past_the_deadline(page_server: PageServer) -> None:
+    """A server trickling one byte at a time never trips the per-read timeout; the overall deadline
+    (checked between reads on the injected clock, one second per check) stops the fetch."""
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def trickle(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/plain")
+        handler.end_headers()
+        while not stop.is_set() and len(sent) < 2000:
+            handler.wfile.write(b"#")
+            handler.wfile.flush()
+            sent.append(1)
+            stop.wait(0.01)
+
+    page_server.respond = trickle
+    ticks = iter(range(10_000))
+    fetcher = HttpFetcher(5.0, 1 << 20, clock=lambda: float(next(ticks)))
+    try:
+        with pytest.raises(FetchError, match="timed out after 5s reading the body"):
+            fetcher(page_server.url, bearer_token=None, tls=Tls())
+        assert len(sent) < 2000  # stopped long before the server finished
+    finally:
+        stop.set()
+        fetcher.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_page_over_the_size_cap_is_refused(page_server: PageServer, chunked: bool) -> None:
+    """Declared (Content-Length) or not (chunked), reading stops past max_response_bytes."""
+    body = ("# " + "x" * 98 + "\n").encode() * 300  # 30,000 bytes
+
+    def huge(handler: BaseHTTPRequestHandler) -> None:
+        if not chunked:
+            send_text(handler, body)
+            return
+        handler.send_response(200)
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for start in range(0, len(body), 4096):
+            piece = body[start:start + 4096]
+            handler.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        handler.wfile.write(b"0\r\n\r\n")
+
+    page_server.respond = huge
+    fetcher = HttpFetcher(2.0, 10_000)
+    try:
+        with pytest.raises(FetchError, match="response over 10000 bytes"):
+            fetcher(page_server.url, bearer_token=None, tls=Tls())
+    finally:
+        fetcher.close()
+
+
+# --- the poll cycle under each failure ------------------------------------------------------------------
+
+
+def test_refused_connection_gives_up_0_and_one_log_line(clock: ManualClock, make_poller: MakePoller) -> None:
+    url = f"http://127.0.0.1:{free_port()}/metrics"
+    poller = make_poller(make_config([url]), clock)
+    with capture_logs() as logs:
+        first = only_reading(poller.poll_once().readings)
+        clock.advance(15)
+        poller.poll_once()
+    assert first.target_up is False and first.labels == {"deployment": "chat", "target": url[7:-8]}
+    down = [line for line in logs if line["event"] == "target_down"]
+    assert len(down) == 1, "a target down for many polls logs once, not every poll"
+    assert down[0]["target"] == url[7:-8] and "Connection refused" in down[0]["reason"]
+
+
+def test_slow_server_times_out(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    release = threading.Event()
+
+    def stall(handler: BaseHTTPRequestHandler) -> None:
+        release.wait(10)
+
+    page_server.respond = stall
+    poller = make_poller(make_config([page_server.url], timeout="250ms"), clock)
+    try:
+        with capture_logs() as logs:
+            reading = only_reading(poller.poll_once().readings)
+    finally:
+        release.set()
+    assert reading.target_up is False
+    assert "timed out" in next(line for line in logs if line["event"] == "target_down")["reason"]
+
+
+@pytest.mark.parametrize("body, status, reason", [
+    ("internal error", 500, "HTTP 500"),
+    ("<!doctype html><html><body><h1>Welcome to nginx!</h1></body></html>", 200, ""),
+    (bytes(range(256)) * 8, 200, ""),
+    ("", 200, ""),
+    ("# HELP vllm:num_requests_running Number of requests\n# TYPE vllm:num_requests_running gauge\n"
+     "process_cpu_seconds_total 12.5\n", 200, "no known engine metrics"),
+])
+def test_unusable_pages_give_up_0_never_a_crash(page_server: PageServer, clock: ManualClock, make_poller: MakePoller,
+                                                body: str | bytes, status: int, reason: str) -> None:
+    page_server.serve_text(body, status)
+    poller = make_poller(make_config([page_server.url]), clock)
+    with capture_logs() as logs:
+        reading = only_reading(poller.poll_once().readings)
+    assert reading.target_up is False
+    assert reading.tokens_in_flight is None and reading.predicted_step_seconds is None
+    [line] = [line for line in logs if line["event"] == "target_down"]
+    assert reason in line["reason"] and line["reason"]
+
+
+def test_good_then_failing_target_keeps_values_until_stale_after(page_server: PageServer, clock: ManualClock,
+                                                                  make_poller: MakePoller) -> None:
+    poller = make_poller(make_config([page_server.url], stale_after="60s"), clock)
+    page_server.serve_text(busy_page())
+    good = only_reading(poller.poll_once().readings)
+    good_at = clock.now
+    page_server.serve_text("boom", 500)
+    clock.advance(30)
+    fresh = only_reading(poller.poll_once().readings)
+    assert fresh.target_up is False and fresh.tokens_in_flight == good.tokens_in_flight
+    assert fresh.labels == good.labels, "a down target keeps its identity labels"
+    clock.advance(31)  # 61 s after the last success
+    stale = only_reading(poller.poll_once().readings)
+    assert stale.target_up is False and stale.labels == good.labels
+    assert stale.tokens_in_flight is None and stale.predicted_step_seconds is None and stale.requests_running is None
+    assert stale.last_success_timestamp_seconds == good_at
+    page_server.serve_text(busy_page())
+    clock.advance(15)
+    with capture_logs() as logs:
+        back = only_reading(poller.poll_once().readings)
+    assert back.target_up is True and back.tokens_in_flight == pytest.approx(0.2 * 65536)
+    assert any(line["event"] == "target_up" for line in logs)
+
+
+def test_histogram_cut_off_mid_page(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    """A page cut inside the ITL histogram: the step time is never measured from half a histogram."""
+    poller = make_poller(make_config([page_server.url]), clock)
+    page_server.serve_text(busy_page())
+    poller.poll_once()
+    more = VllmState(running=4, kv_usage_ratio=0.2, itl_count=300, itl_sum=6.0, engine_steps=80, prompt_tokens=900,
+                     itl_buckets={0.01: 30, 0.025: 240, 0.05: 300, 0.1: 300})
+    page = vllm_page(more)
+    cut = page.index(TRUNCATED_MARK) + page[page.index(TRUNCATED_MARK):].index("\n", 1) + 20
+    page_server.serve_text(page[:cut])
+    clock.advance(15)
+    with capture_logs() as logs:
+        readings = poller.poll_once().readings
+    reading = only_reading(readings)
+    assert reading.target_up is True  # what the page still says is usable...
+    assert reading.requests_running == 4
+    # ...but half a histogram measures nothing.
+    assert reading.measured_step_seconds is None and reading.measured_step_median_seconds is None
+    assert reading.prediction_error_ratio is None
+    assert any("inter_token_latency" in note for note in reading.notes)
+    assert any(line["event"] == "page_problem" and "truncated" in line["reason"] for line in logs)
+
+
+def test_nan_and_inf_values_are_left_out(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    poller = make_poller(make_config([page_server.url]), clock)
+    page_server.serve_text(vllm_page(VllmState(running=float("inf"), waiting=3, kv_usage_ratio=float("nan"))))
+    with capture_logs() as logs:
+        reading = only_reading(poller.poll_once().readings)
+    assert reading.target_up is True
+    assert reading.requests_running is None and reading.kv_cache_usage_ratio is None and reading.tokens_in_flight is None
+    assert reading.predicted_step_seconds is None and reading.token_budget_utilization_ratio is None
+    assert reading.requests_waiting == 3
+    assert any(line["event"] == "reading_partial" for line in logs)
+
+
+def test_counter_going_backwards_measures_nothing_for_that_window(page_server: PageServer, clock: ManualClock,
+                                                                   make_poller: MakePoller) -> None:
+    """A server restart resets its counters: no negative step time or prefill rate is exported."""
+    poller = make_poller(make_config([page_server.url]), clock)
+    page_server.serve_text(busy_page())
+    poller.poll_once()
+    restarted = VllmState(running=1, kv_usage_ratio=0.01, itl_count=10, itl_sum=0.15, engine_steps=5, prompt_tokens=40,
+                          preemptions=0, itl_buckets={0.01: 1, 0.025: 10, 0.05: 10, 0.1: 10})
+    page_server.serve_text(vllm_page(restarted))
+    clock.advance(15)
+    reading = only_reading(poller.poll_once().readings)
+    assert reading.target_up is True
+    assert reading.measured_step_seconds is None and reading.prefill_tokens_per_step is None
+    assert reading.preemptions_total == 0  # the server's own counter value; Prometheus handles resets
+    # The next window, from the restarted counters, measures again: (0.45-0.15)/(30-10).
+    again = VllmState(running=1, kv_usage_ratio=0.01, itl_count=30, itl_sum=0.45, engine_steps=25, prompt_tokens=40,
+                      itl_buckets={0.01: 1, 0.025: 30, 0.05: 30, 0.1: 30})
+    page_server.serve_text(vllm_page(again))
+    clock.advance(15)
+    assert only_reading(poller.poll_once().readings).measured_step_seconds == pytest.approx((0.45 - 0.15) / (30 - 10))
+
+
+def test_failing_target_does_not_disturb_the_healthy_one(make_page_server, clock: ManualClock,
+                                                          make_poller: MakePoller) -> None:
+    healthy, broken = make_page_server(), make_page_server()
+    healthy.serve_text(busy_page())
+    broken.serve_text(bytes(range(256)))
+    poller = make_poller(make_config([healthy.url, broken.url]), clock)
+    readings = {r.target: r for r in poller.poll_once().readings}
+    assert readings[healthy.url[7:-8]].target_up is True
+    assert readings[broken.url[7:-8]].target_up is False
+
+
+def test_engine_detection_is_logged_once(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    poller = make_poller(make_config([page_server.url]), clock)
+    page_server.serve_text(busy_page())
+    with capture_logs() as logs:
+        poller.poll_once()
+        clock.advance(15)
+        poller.poll_once()
+    detected = [line for line in logs if line["event"] == "engine_detected"]
+    assert len(detected) == 1 and detected[0]["kind"] == "vllm"
+
+
+def test_scheduler_runs_the_poll_and_stops(page_server: PageServer, make_poller: MakePoller) -> None:
+    """The real BackgroundScheduler: one instance at a time, coalesced, polls at once on start."""
+    page_server.serve_text(busy_page())
+    poller = make_poller(make_config([page_server.url], poll_interval="1h"), time.time)
+    done = threading.Event()
+    poller.add_listener(lambda result: done.set())
+    poller.start()
+    try:
+        assert done.wait(10), "the first poll did not run"
+        job = poller._scheduler.get_job("poll")  # type: ignore[attr-defined]
+        assert job.max_instances == 1 and job.coalesce is True and job.misfire_grace_time == 3600
+        assert job.trigger.interval.total_seconds() == 3600
+        assert poller.ready
+    finally:
+        poller.stop()
