@@ -377,6 +377,7 @@ class Simulator:
         for request in [r for r in self._leaving if r.leave_at_seconds is not None and r.leave_at_seconds <= self.now_seconds]:
             if not request.finished:
                 self._finish(request, "stop")
+                self._update_gauges()
         self._leaving = [r for r in self._leaving if not r.finished]
 
     def _planned_drop(self, request: SimRequest) -> None:
@@ -468,3 +469,20 @@ def median(values: list[float]) -> float:
         return math.nan
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def single_stream_token_seconds(spec: ServerSpec, context_tokens: int, output_tokens: int) -> list[float]:
+    """Simulated arrival times of each token of one request alone on a fresh idle server.
+
+    What `calibrate --url` measures over HTTP at speed 1, without the wall clock: the gaps between
+    these times are the lone stream's step times.
+    """
+    simulator = Simulator(spec)
+    times: list[float] = []
+    simulator.submit(context_tokens, output_tokens, on_token=lambda request: times.append(simulator.now_seconds))
+    while len(times) < output_tokens:
+        next_event = simulator.next_event_seconds()
+        if next_event is None:
+            break
+        simulator.run_until(next_event)
+    return times
