@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from exporter.snapshot import Histogram, Snapshot
 
+_SUM_WOBBLE = 1e-9
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total", "engine_steps_total")
 
 
@@ -64,7 +65,8 @@ def _went_backwards(previous: Snapshot, current: Snapshot) -> list[str]:
             backwards.append(name)
     before_h, now_h = previous.inter_token_latency, current.inter_token_latency
     if before_h is not None and now_h is not None:
-        if now_h.count < before_h.count or now_h.sum < before_h.sum:
+        # A float sum re-added across processes (multiprocess mode) may wobble in its last bits.
+        if now_h.count < before_h.count or now_h.sum < before_h.sum - _SUM_WOBBLE * max(1.0, abs(before_h.sum)):
             backwards.append("inter_token_latency")
         elif _same_edges(before_h, now_h) and any(
             now < before for (_, before), (_, now) in zip(before_h.buckets, now_h.buckets)
@@ -87,7 +89,7 @@ def _step_times(previous: Histogram, current: Histogram, notes: list[str]) -> tu
     if observations <= 0:
         notes.append("no new tokens in the window (idle)")
         return None, None, observations
-    mean = (current.sum - previous.sum) / observations
+    mean = max(0.0, current.sum - previous.sum) / observations
     if not _same_edges(previous, current):
         notes.append("ITL bucket edges changed between polls: no median this window")
         return mean, None, observations

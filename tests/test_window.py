@@ -189,3 +189,11 @@ def test_fuzz_windows_are_never_negative_nan_or_outside_the_edges(edges: list[fl
     assert median is None or 0 <= median <= edges[-1]
     if window.counter_reset:
         assert (window.measured_step_mean_seconds, median, window.prefill_tokens_per_step) == (None, None, None)
+
+
+def test_a_sum_wobbling_in_its_last_bits_is_not_a_restart() -> None:
+    before = page([10, 30, 40, 40], itl_sum=7.631999999999873, prompt=0, steps=0)
+    after = page([10, 30, 40, 40], itl_sum=7.631999999999872, prompt=0, steps=0)
+    window = compute_window(before, after)
+    assert window.counter_reset is False
+    assert window.measured_step_mean_seconds is None  # idle: no new observations
