@@ -294,6 +294,23 @@ def test_rendered_config_passes_stepbudget_check_config(values: Path | None, tmp
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
+def test_daemon_accepts_the_rendered_args(values: Path | None, tmp_path: Path) -> None:
+    """`stepbudget serve` parses the container's args (env references expanded as the kubelet does).
+
+    The config path does not exist here, so the daemon stops at reading it instead of serving; an
+    argparse error (usage line, unrecognized argument) would mean the chart and the CLI disagree.
+    In StatefulSet mode this depends on `--shard INDEX/COUNT`, added to `serve` by another issue.
+    """
+    main = container(render(values))
+    args = [re.sub(r"\$\((\w+)\)", "1", arg) for arg in main["args"]]
+    args[args.index("--config") + 1] = str(tmp_path / "absent" / "config.yaml")
+    cli = Path(sys.executable).parent / "stepbudget"
+    result = subprocess.run([str(cli), *args], capture_output=True, text=True, timeout=60, check=False)
+    assert "usage:" not in result.stderr and "unrecognized arguments" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "config" in result.stderr, result.stderr
+
+
 # --- CRDs: shapes the operators read ------------------------------------------------------------
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=_id)
