@@ -1,0 +1,284 @@
+"""How well the capacity model predicts published static-batch benchmarks.
+
+Two tables from shared/reference/validation/:
+  * Databricks "LLM inference performance engineering" Table 2: MPT-7B, static batches of B
+    requests with 512 prompt and 64 output tokens, throughput in requests/s, on 1-2 A10 and 1-4 A100.
+  * LMDeploy TurboMind A100-80GB static inference (v0.1.0 docs): Llama-2-7B/13B/70B and
+    InternLM-20B, batches 1-64, prompt/output lengths 1-2048, output tokens/s and p50 per-token latency.
+
+Method, per series (same model, hardware, GPU count, prompt and output lengths):
+  1. Calibrate the effective bandwidth on the smallest batch of the series: one point,
+     bandwidth = bytes one decode step reads / measured per-token time (exporter.model.calibrate).
+  2. Predict every larger batch with exporter.model and compare with the table.
+
+Conversions and assumptions (also written into the results):
+  * A static batch of B requests with prompt I and output O holds on average I + O/2 tokens per
+    request over its decode; bytes are linear in context, so the mean-context step is the mean step.
+  * The batch's prefill is one compute-bound step of B*I prompt tokens (the compute term of
+    exporter.model's step with a prefill chunk and no decode), at the default compute efficiency
+    (0.5 of the datasheet dense peak).
+  * Batch time T = prefill + O * decode step. Databricks: measured T = B / (requests/s), so the
+    measured per-token time is (T - predicted prefill) / O, and predicted throughput = B / T_pred.
+    LMDeploy: the measured per-token time is the p50 token latency the table prints (2 significant
+    digits), and predicted output throughput = B * O / T_pred.
+  * Rows whose requests did not all fit in the KV cache (LMDeploy marks them) queue, so a static-batch
+    model does not apply: they are listed and excluded. Databricks' OOM rows have no number.
+
+    .venv/bin/python benchmarks/accuracy.py [--data-dir ../shared/reference/validation]
+
+Writes benchmarks/results/accuracy.md and accuracy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from exporter import model  # noqa: E402
+from exporter.model import Architecture, CalibrationPoint, RequestGroup, ServingSetup  # noqa: E402
+
+DATA_DIR = REPO.parent / "shared" / "reference" / "validation"
+RESULTS = REPO / "benchmarks" / "results"
+DATABRICKS_TABLE = "databricks_blog_table2_mpt7b_static_batch_throughput.csv"
+LMDEPLOY_TABLE = "lmdeploy_turbomind_a100_static_inference.csv"
+ARCHITECTURES_TABLE = "model_architectures.csv"
+GPU_TABLE = "gpu_datasheet_peaks.csv"
+
+# Table names -> rows of model_architectures.csv and gpu_datasheet_peaks.csv.
+MODEL_ROWS = {"MPT-7B": "MPT-7B", "llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B",
+              "llama2-70b": "Llama-2-70B", "internlm-20b": "InternLM-20B"}
+GPU_ROWS = {"A10": "A10 (24GB)", "A100": "A100 SXM4 40GB", "A100-80GB": "A100 SXM4 80GB"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One batch of one series, reduced to what the comparison needs."""
+
+    source: str
+    series: str
+    model: str
+    gpu: str
+    gpus: int
+    batch: int
+    prompt_tokens: int
+    output_tokens: int
+    measured_per_token_seconds: float
+    measured_throughput: float
+    throughput_unit: str
+    excluded: str = ""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    series: str
+    batch: int
+    measured_per_token_seconds: float
+    predicted_per_token_seconds: float
+    measured_throughput: float
+    predicted_throughput: float
+    throughput_unit: str
+    calibration_row: bool
+
+    @property
+    def per_token_error_ratio(self) -> float:
+        return (self.predicted_per_token_seconds - self.measured_per_token_seconds) / self.measured_per_token_seconds
+
+    @property
+    def throughput_error_ratio(self) -> float:
+        return (self.predicted_throughput - self.measured_throughput) / self.measured_throughput
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def architectures(data_dir: Path) -> dict[str, Architecture]:
+    found = {}
+    for row in read_csv(data_dir / ARCHITECTURES_TABLE):
+        found[row["model"]] = Architecture(
+            name=row["model"], layers=int(row["layers"]), hidden_size=int(row["hidden"]),
+            attention_heads=int(row["q_heads"]), kv_heads=int(row["kv_heads"]), head_dim=int(row["head_dim"]),
+            params=float(row["approx_params_computed"]), source=ARCHITECTURES_TABLE)
+    return found
+
+
+def gpu_peaks(data_dir: Path) -> dict[str, tuple[float, float]]:
+    """GPU row -> (peak bandwidth bytes/s, dense bf16 FLOP/s)."""
+    return {row["gpu"]: (float(row["peak_memory_bandwidth_GBps"]) * 1e9, float(row["peak_dense_bf16_fp16_tensor_TFLOPS"]) * 1e12)
+            for row in read_csv(data_dir / GPU_TABLE) if row["peak_memory_bandwidth_GBps"]}
+
+
+# --- reading the tables ----------------------------------------------------------------------
+
+
+def databricks_rows(data_dir: Path, arches: dict[str, Architecture], peaks: dict[str, tuple[float, float]]) -> list[Row]:
+    rows = []
+    for raw in read_csv(data_dir / DATABRICKS_TABLE):
+        batch, prompt, output = int(raw["batch_size"]), int(raw["input_len_tokens"]), int(raw["output_len_tokens"])
+        gpus = int(raw["num_gpus"])
+        series = f"Databricks MPT-7B {gpus}x{raw['hardware']} {prompt}/{output}"
+        if not raw["throughput_req_per_s"]:
+            rows.append(Row("databricks", series, "MPT-7B", raw["hardware"], gpus, batch, prompt, output, 0, 0,
+                            "req/s", excluded=raw["note"] or "no number"))
+            continue
+        batch_seconds = batch / float(raw["throughput_req_per_s"])
+        setup = _setup(arches["MPT-7B"], peaks[GPU_ROWS[raw["hardware"]]], gpus, bandwidth=1.0)
+        per_token = (batch_seconds - prefill_seconds(setup, batch, prompt)) / output
+        rows.append(Row("databricks", series, "MPT-7B", raw["hardware"], gpus, batch, prompt, output,
+                        per_token, float(raw["throughput_req_per_s"]), "req/s"))
+    return rows
+
+
+def lmdeploy_rows(data_dir: Path) -> list[Row]:
+    rows = []
+    for raw in read_csv(data_dir / LMDEPLOY_TABLE):
+        batch, prompt, output, gpus = (int(raw[k]) for k in ("batch_size", "input_len_tokens", "output_len_tokens", "tp"))
+        series = f"LMDeploy {raw['model']} {gpus}xA100-80GB {prompt}/{output}"
+        excluded = "" if raw["all_requests_fit_in_kv_cache"] == "True" else "requests did not all fit in the KV cache (queueing)"
+        rows.append(Row("lmdeploy", series, raw["model"], "A100-80GB", gpus, batch, prompt, output,
+                        float(raw["token_latency_p50_s"]), float(raw["throughput_out_tok_per_s"]), "out tok/s",
+                        excluded=excluded))
+    return rows
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+def _setup(arch: Architecture, peak: tuple[float, float], gpus: int, bandwidth: float) -> ServingSetup:
+    """fp16 weights and KV, per GPU; compute at the default 0.5 of the dense peak."""
+    return ServingSetup(architecture=arch, gpu_memory_bytes=80e9, effective_bandwidth_bytes_per_second=bandwidth,
+                        effective_compute_flops_per_second=model.DEFAULT_COMPUTE_EFFICIENCY * peak[1],
+                        tensor_parallel=gpus)
+
+
+def prefill_seconds(setup: ServingSetup, batch: int, prompt_tokens: int) -> float:
+    """The batch's prompts as one step of B*I prompt tokens and no decoding requests, compute-bound:
+    at 512 prompt tokens per request its compute time already exceeds one read of the weights."""
+    return model.predict_step(setup, [], prefill_tokens_per_step=batch * prompt_tokens).compute_seconds
+
+
+def mean_context(row: Row) -> float:
+    return row.prompt_tokens + row.output_tokens / 2
+
+
+def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float]) -> list[Prediction]:
+    usable = sorted((r for r in rows if not r.excluded), key=lambda r: r.batch)
+    if not usable:
+        return []
+    smallest = usable[0]
+    probe = _setup(arch, peak, smallest.gpus, bandwidth=1.0)
+    read_bytes = model.predict_step(probe, [RequestGroup(smallest.batch, mean_context(smallest))]).read_bytes
+    calibration = model.calibrate([CalibrationPoint(smallest.measured_per_token_seconds,
+                                                    smallest.batch * mean_context(smallest), read_bytes)])
+    setup = _setup(arch, peak, smallest.gpus, calibration.effective_bandwidth_bytes_per_second)
+    predictions = []
+    for row in usable:
+        step = model.predict_step(setup, [RequestGroup(row.batch, mean_context(row))]).step_seconds
+        batch_seconds = prefill_seconds(setup, row.batch, row.prompt_tokens) + row.output_tokens * step
+        per_second = row.batch / batch_seconds if row.source == "databricks" else row.batch * row.output_tokens / batch_seconds
+        predictions.append(Prediction(row.series, row.batch, row.measured_per_token_seconds, step,
+                                      row.measured_throughput, per_second, row.throughput_unit, row is smallest))
+    return predictions
+
+
+# --- summary ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErrorSummary:
+    scope: str
+    metric: str
+    count: int
+    median_abs_error_ratio: float
+    mean_abs_error_ratio: float
+    worst_abs_error_ratio: float
+    worst_signed_error_ratio: float
+    worst_batch: int
+
+
+def summarise(scope: str, metric: str, predictions: list[Prediction]) -> ErrorSummary | None:
+    scored = [p for p in predictions if not p.calibration_row]
+    if not scored:
+        return None
+    errors = [(p.per_token_error_ratio if metric == "per-token time" else p.throughput_error_ratio, p.batch) for p in scored]
+    worst = max(errors, key=lambda e: abs(e[0]))
+    absolute = [abs(e) for e, _ in errors]
+    return ErrorSummary(scope, metric, len(errors), statistics.median(absolute), statistics.fmean(absolute),
+                        abs(worst[0]), worst[0], worst[1])
+
+
+def run(data_dir: Path) -> tuple[list[Prediction], list[ErrorSummary], list[Row]]:
+    arches, peaks = architectures(data_dir), gpu_peaks(data_dir)
+    rows = databricks_rows(data_dir, arches, peaks) + lmdeploy_rows(data_dir)
+    predictions: list[Prediction] = []
+    summaries: list[ErrorSummary] = []
+    series_names = list(dict.fromkeys(r.series for r in rows))
+    for name in series_names:
+        members = [r for r in rows if r.series == name]
+        first = members[0]
+        predicted = predict_series(members, arches[MODEL_ROWS[first.model]], peaks[GPU_ROWS[first.gpu]])
+        predictions += predicted
+        summaries += [s for metric in ("per-token time", "throughput") if (s := summarise(name, metric, predicted))]
+    for source, label in (("Databricks", "Databricks (all series)"), ("LMDeploy", "LMDeploy (all series)"), ("", "overall")):
+        chosen = [p for p in predictions if p.series.startswith(source)]
+        summaries += [s for metric in ("per-token time", "throughput") if (s := summarise(label, metric, chosen))]
+    return predictions, summaries, [r for r in rows if r.excluded]
+
+
+def write(predictions: list[Prediction], summaries: list[ErrorSummary], excluded: list[Row], data_dir: Path) -> str:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "accuracy.json").write_text(json.dumps({
+        "data_dir": str(data_dir.relative_to(REPO.parent)) if data_dir.is_relative_to(REPO.parent) else str(data_dir),
+        "summaries": [asdict(s) for s in summaries],
+        "predictions": [{**asdict(p), "per_token_error_ratio": p.per_token_error_ratio,
+                         "throughput_error_ratio": p.throughput_error_ratio} for p in predictions],
+        "excluded": [{"series": r.series, "batch": r.batch, "reason": r.excluded} for r in excluded],
+    }, indent=2) + "\n")
+    doc = __doc__ or ""
+    method = doc[doc.index("Method"):doc.index("    .venv")].rstrip()
+    lines = ["# Accuracy of the capacity model against published static-batch benchmarks", "",
+             "Command: `make bench` (`.venv/bin/python benchmarks/accuracy.py`). Errors are (predicted - measured) / measured;",
+             "the calibration row of each series (its smallest batch) is not scored.", "", "```", method, "```", "",
+             "## Summary", "", "| scope | metric | n | median abs err | mean abs err | worst abs err (signed, batch) |",
+             "|---|---|---:|---:|---:|---|"]
+    lines += [f"| {s.scope} | {s.metric} | {s.count} | {s.median_abs_error_ratio:.1%} | {s.mean_abs_error_ratio:.1%} | "
+              f"{s.worst_abs_error_ratio:.1%} ({s.worst_signed_error_ratio:+.1%}, B={s.worst_batch}) |" for s in summaries]
+    lines += ["", "## Every prediction", "",
+              "| series | batch | per-token measured ms | predicted ms | err | throughput measured | predicted | err |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in predictions:
+        mark = " (calibration)" if p.calibration_row else ""
+        lines.append(f"| {p.series}{mark} | {p.batch} | {p.measured_per_token_seconds * 1e3:.2f} | "
+                     f"{p.predicted_per_token_seconds * 1e3:.2f} | {p.per_token_error_ratio:+.1%} | "
+                     f"{p.measured_throughput:,.1f} {p.throughput_unit} | {p.predicted_throughput:,.1f} | "
+                     f"{p.throughput_error_ratio:+.1%} |")
+    lines += ["", "## Excluded rows", ""] + [f"- {r.series}, batch {r.batch}: {r.excluded}" for r in excluded]
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "accuracy.md").write_text(text)
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Accuracy of the capacity model against published benchmarks")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help=f"validation CSVs (default {DATA_DIR})")
+    data_dir = parser.parse_args().data_dir.resolve()
+    if not (data_dir / LMDEPLOY_TABLE).exists():
+        print(f"accuracy: no validation tables in {data_dir}; give --data-dir", file=sys.stderr)
+        return 2
+    predictions, summaries, excluded = run(data_dir)
+    text = write(predictions, summaries, excluded, data_dir)
+    print(text[text.index("## Summary"):text.index("## Every prediction")])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
