@@ -30,6 +30,8 @@ DEPLOYMENT_VALUES = CHART / "ci" / "deployment-values.yaml"
 NAMESPACE = "monitoring"
 RELEASE = "sb"
 K8S_VERSION = "1.30"
+# Chart.yaml's kubeVersion floor and the newest schemas kubernetes-validate ships.
+K8S_VERSIONS = ["1.25", K8S_VERSION, "1.37"]
 CONFIG_PATH = "/etc/stepbudget/config.yaml"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 DEFAULT_RUNBOOK_BASE = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
@@ -141,12 +143,13 @@ def test_every_option_on_renders_every_object() -> None:
     )
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
-def test_core_objects_pass_strict_kubernetes_schemas(values: Path | None) -> None:
+def test_core_objects_pass_strict_kubernetes_schemas(values: Path | None, version: str) -> None:
     unknown = set()
     for doc in render(values):
         try:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.SchemaNotFoundError:
             unknown.add(doc["kind"])
         except kubernetes_validate.ValidationError as error:
