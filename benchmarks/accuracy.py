@@ -86,6 +86,8 @@ class Prediction:
     predicted_throughput: float
     throughput_unit: str
     calibration_row: bool
+    calibrated_bandwidth_bytes_per_second: float
+    bandwidth_efficiency: float  # of the datasheet peak per GPU
 
     @property
     def per_token_error_ratio(self) -> float:
@@ -186,7 +188,9 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
         batch_seconds = prefill_seconds(setup, row.batch, row.prompt_tokens) + row.output_tokens * step
         per_second = row.batch / batch_seconds if row.source == "databricks" else row.batch * row.output_tokens / batch_seconds
         predictions.append(Prediction(row.series, row.batch, row.measured_per_token_seconds, step,
-                                      row.measured_throughput, per_second, row.throughput_unit, row is smallest))
+                                      row.measured_throughput, per_second, row.throughput_unit, row is smallest,
+                                      setup.effective_bandwidth_bytes_per_second,
+                                      setup.effective_bandwidth_bytes_per_second / peak[0]))
     return predictions
 
 
@@ -252,6 +256,10 @@ def write(predictions: list[Prediction], summaries: list[ErrorSummary], excluded
              "|---|---|---:|---:|---:|---|"]
     lines += [f"| {s.scope} | {s.metric} | {s.count} | {s.median_abs_error_ratio:.1%} | {s.mean_abs_error_ratio:.1%} | "
               f"{s.worst_abs_error_ratio:.1%} ({s.worst_signed_error_ratio:+.1%}, B={s.worst_batch}) |" for s in summaries]
+    lines += ["", "## Calibrated bandwidth per series (from its smallest batch)", "",
+              "| series | per GPU TB/s | of datasheet peak |", "|---|---:|---:|"]
+    lines += [f"| {p.series} | {p.calibrated_bandwidth_bytes_per_second / 1e12:.3f} | {p.bandwidth_efficiency:.0%} |"
+              for p in predictions if p.calibration_row]
     lines += ["", "## Every prediction", "",
               "| series | batch | per-token measured ms | predicted ms | err | throughput measured | predicted | err |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
