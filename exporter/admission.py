@@ -8,16 +8,18 @@ keeps every open admission until the gateway releases it.
 
 Accounting rule (docs/admission.md explains why), per target, at every decision:
 
-    accounted = max(measured, seen) + fresh
+    accounted = open + max(0, measured - settled_at_poll)
 
-  * measured: the daemon's tokens in flight at the last poll (KV usage x capacity). It covers work
-    admitted elsewhere (gateways that do not ask, requests sent straight to the server).
-  * seen: open admissions old enough that the last poll could have seen them running (admitted at
-    least `settle_seconds` before that poll). They and the measurement describe the same work, so
-    the larger of the two counts, not the sum: reservations (prompt + the whole output limit)
-    usually exceed what the server holds, and measurement catches what reservations miss.
-  * fresh: admissions the last poll cannot have seen yet. They add to either term, so a burst
-    of admissions between two polls cannot overfill a server that is busy with unmanaged work.
+  * open: the tokens of every open admission (prompt + the whole output limit: the most each
+    request can come to hold), whether or not the server has started it.
+  * measured: the daemon's tokens in flight at the last poll (KV usage x capacity).
+  * settled_at_poll: the tokens of the admissions that were open at the last poll and old enough
+    (`settle_seconds`) for the server to have started them. Their work is inside `measured` and
+    never above their reservation, so `measured - settled_at_poll` is the work no admission
+    accounts for: requests sent by gateways that do not ask, or straight to the server, or whose
+    lease ran out. It stays counted until the next poll says otherwise.
+  A release frees its tokens at once; a burst of admissions between two polls adds to the
+  unaccounted work rather than hiding in it; the measurement catches what reservations miss.
 
 Every admission holds a lease of `lease_floor_seconds + lease_output_factor * max_output_tokens /
 target_tokens_per_second` (the time its whole output takes at the target speed, with slack).
@@ -145,6 +147,8 @@ class _Target:
     measured_tokens_in_flight: float
     measured_at_seconds: float
     admissions: dict[str, Admission] = field(default_factory=dict)
+    # Reserved tokens of the admissions open and settled when `measured_tokens_in_flight` was taken.
+    settled_at_poll_tokens: float = 0.0
     # False while the target is down or its last poll lacked the values: no new admissions, but
     # the open ones stay (their requests may still be running there).
     eligible: bool = True
@@ -214,14 +218,16 @@ class AdmissionBook:
             raise InputError(f"reconcile {deployment}/{target}: budget and tokens in flight must not be negative")
         with self._lock:
             now = self._clock() if measured_at_seconds is None else measured_at_seconds
+            self._expire(self._clock())
             state = self._targets.get((deployment, target))
             if state is None:
-                self._targets[(deployment, target)] = _Target(
+                state = self._targets[(deployment, target)] = _Target(
                     deployment, target, budget_tokens, measured_tokens_in_flight, now)
-                return
             state.budget_tokens = budget_tokens
             state.measured_tokens_in_flight = measured_tokens_in_flight
             state.measured_at_seconds = now
+            state.settled_at_poll_tokens = float(sum(
+                a.tokens for a in state.admissions.values() if a.admitted_at_seconds <= now - self._settle_seconds))
             state.eligible = True
 
     def suspend(self, deployment: str, target: str) -> None:
@@ -360,14 +366,9 @@ class AdmissionBook:
         return self.pools.long_deployment
 
     def _accounted(self, state: _Target) -> float:
-        settled_before = state.measured_at_seconds - self._settle_seconds
-        seen = fresh = 0
-        for admission in state.admissions.values():
-            if admission.admitted_at_seconds <= settled_before:
-                seen += admission.tokens
-            else:
-                fresh += admission.tokens
-        return max(state.measured_tokens_in_flight, float(seen)) + fresh
+        open_tokens = float(sum(admission.tokens for admission in state.admissions.values()))
+        unaccounted = max(0.0, state.measured_tokens_in_flight - state.settled_at_poll_tokens)
+        return open_tokens + unaccounted
 
     def _account(self, state: _Target) -> TargetAccount:
         return TargetAccount(state.deployment, state.target, state.budget_tokens,
@@ -628,8 +629,8 @@ class AdmissionCollector(Collector):
         yield decisions
         accounted = GaugeMetricFamily(
             "stepbudget_admitted_tokens",
-            "Tokens the admission budget counts on the target: max(measured tokens in flight, admissions the "
-            "last poll saw) + admissions since; compare with stepbudget_token_budget_tokens",
+            "Tokens the admission budget counts on the target: open admissions (prompt + output limit) plus the "
+            "measured tokens in flight no admission accounts for; compare with stepbudget_token_budget_tokens",
             labels=["deployment", "target"])
         for account in sorted(self._book.targets(), key=lambda a: (a.deployment, a.target)):
             accounted.add_metric([account.deployment, account.target], account.accounted_tokens)

@@ -70,17 +70,33 @@ def test_admissions_add_up_and_a_request_that_no_longer_fits_is_refused() -> Non
     assert book.accounted_tokens("chat", "a:8000") == 4000 + 5000
 
 
-def test_release_frees_the_tokens_at_once_when_admissions_are_the_larger_term() -> None:
+def test_a_release_frees_its_tokens_at_once_even_before_the_next_poll() -> None:
     clock = ManualClock()
     book = make_book(clock)
     book.reconcile("chat", "a:8000", 10_000, 0)
     first = ask(book, 5000, 1000, deployment="chat")
     clock.now += 30
     book.reconcile("chat", "a:8000", 10_000, measured_tokens_in_flight=2500)  # the server holds less than reserved
-    assert book.accounted_tokens("chat", "a:8000") == 6000  # max(2,500, 6,000 seen)
+    assert book.accounted_tokens("chat", "a:8000") == 6000  # the reservation, not 6,000 + 2,500
     assert first.admission is not None and book.release(first.admission.id) is not None
-    assert book.accounted_tokens("chat", "a:8000") == 2500  # the measurement stays until the next poll
+    assert book.accounted_tokens("chat", "a:8000") == 0  # its 2,500 measured tokens were its own
     assert book.release(first.admission.id) is None  # a second release is not counted twice
+
+
+def test_churn_between_polls_is_not_counted_twice() -> None:
+    """Chats finish and new ones start between two polls: the measurement still holds the finished
+    ones, but their reservations were settled at the poll, so the new ones do not stack on them."""
+    clock = ManualClock()
+    book = make_book(clock)
+    book.reconcile("chat", "a:8000", 10_000, 0)
+    old = [ask(book, 1500, 500, deployment="chat").admission for _ in range(4)]
+    clock.now += SETTLE
+    book.reconcile("chat", "a:8000", 10_000, measured_tokens_in_flight=4 * 1800)
+    for admission in old:
+        assert admission is not None and book.release(admission.id) is not None
+    new = [ask(book, 1500, 500, deployment="chat") for _ in range(5)]
+    assert all(decision.admitted for decision in new)
+    assert book.accounted_tokens("chat", "a:8000") == 5 * 2000
 
 
 def test_work_admitted_elsewhere_counts_through_the_measurement() -> None:

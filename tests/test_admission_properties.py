@@ -1,10 +1,11 @@
 """Properties of the admission book: a hypothesis state machine over admit/release/reconcile/time,
 and threads hammering one book.
 
-The bounds checked hold whatever the rule's details: accounted tokens are never negative, never
-fewer than the open admissions nor than the measurement, never more than the two added up, equal to
-the open admissions when no measurement raised them, and an admission never takes a target past
-its budget.
+Checked after every step: accounted tokens are never negative; never fewer than the open
+admissions; never more than the open admissions plus the measurement; equal to the open admissions
+when no measurement raised them; never fewer than the measurement while every admission the poll
+counted as settled is still open; and an admission never takes a target past its budget, while a
+refusal means no target had room.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ TARGETS = ("a:8000", "b:8000")
 TPS = 50.0
 FLOOR_SECONDS = 60.0
 FACTOR = 2.0
+SETTLE_SECONDS = 3.0
 
 
 @dataclass
@@ -41,10 +43,11 @@ class AdmissionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = ManualClock()
-        self.book = AdmissionBook([DeploymentPolicy("chat", TPS)], clock=self.clock, settle_seconds=3.0,
+        self.book = AdmissionBook([DeploymentPolicy("chat", TPS)], clock=self.clock, settle_seconds=SETTLE_SECONDS,
                                   lease_floor_seconds=FLOOR_SECONDS, lease_output_factor=FACTOR)
         self.budget = {target: 20_000.0 for target in TARGETS}
         self.measured = {target: 0.0 for target in TARGETS}
+        self.settled_at_poll: dict[str, set[str]] = {target: set() for target in TARGETS}
         self.open: dict[str, Admission] = {}
         for target in TARGETS:
             self.book.reconcile("chat", target, self.budget[target], 0.0)
@@ -87,6 +90,10 @@ class AdmissionMachine(RuleBasedStateMachine):
     def poll(self, server: str, measured: float, budget: float) -> None:
         self.budget[server], self.measured[server] = budget, measured
         self.book.reconcile("chat", server, budget, measured)
+        self.settled_at_poll[server] = {
+            a.id for a in self.open.values()
+            if a.target == server and a.expires_at_seconds > self.clock.now
+            and a.admitted_at_seconds <= self.clock.now - SETTLE_SECONDS}
 
     @rule(seconds=st.floats(0.5, 200.0))
     def wait(self, seconds: float) -> None:
@@ -98,10 +105,12 @@ class AdmissionMachine(RuleBasedStateMachine):
             accounted = self.book.accounted_tokens("chat", target)
             open_tokens = self._open_tokens(target)
             assert accounted >= 0
-            assert accounted >= open_tokens and accounted >= self.measured[target]
-            assert accounted <= open_tokens + self.measured[target]
+            assert open_tokens <= accounted <= open_tokens + self.measured[target]
             if self.measured[target] == 0:
                 assert accounted == open_tokens
+            still_open = {a.id for a in self.open.values() if a.expires_at_seconds > self.clock.now}
+            if self.settled_at_poll[target] <= still_open:
+                assert accounted >= self.measured[target]
 
 
 AdmissionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,1 @@
+"""Admission integrations: a gateway middleware (ASGI) and a simulated-time gateway."""
