@@ -1,0 +1,170 @@
+"""The product's claim, against the simulator: calibrated from one stream alone, the daemon's
+prediction tracks the measured median step within 15% in steady-chat and agents-join; the
+over-budget condition holds exactly while the agents are in; prefill bursts raise the measured
+step while the predicted memory step stays flat; overload is counted as preemptions.
+
+The pipeline is the daemon's own, in-process and in simulated time: simulator page text ->
+exporter.engines.read_page -> exporter.window.compute_window -> exporter.reading.derive_reading
+(-> exporter.collector for the export). "Measured median" is the simulator's ground truth: the
+median of its ITL observations (every decoding request's step time) in each poll window.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+
+import pytest
+from prometheus_client import generate_latest
+
+from exporter import calibrate, model
+from exporter.collector import make_registry
+from exporter.config import Deployment, config_from_mapping
+from exporter.deployment import build_setup, load_architecture
+from exporter.discovery import Target
+from exporter.engines import read_page
+from exporter.reading import Reading, derive_reading
+from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerSpec, Simulator, load_scenario
+from exporter.simulator.engine import single_stream_token_seconds
+from exporter.window import compute_window
+
+POLL_SECONDS = 15.0
+TOLERANCE = 0.15
+SPEC = ServerSpec()
+
+
+@lru_cache(maxsize=1)
+def _calibration() -> model.Calibration:
+    """What `calibrate --url` does (a short and a long lone stream), in simulated time."""
+    setup = build_setup(load_architecture("qwen3-8b"), "h100-sxm").setup
+    measurements = []
+    for context in (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, calibrate.DEFAULT_LONG_CONTEXT_TOKENS):
+        times = single_stream_token_seconds(SPEC, context, calibrate.DEFAULT_OUTPUT_TOKENS)
+        gaps = tuple(later - earlier for earlier, later in zip(times, times[1:]))
+        measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
+    return model.calibrate(calibrate.points_from_measurements(setup, measurements))
+
+
+def _deployment() -> Deployment:
+    calibration = _calibration()
+    config = config_from_mapping({"deployments": [{
+        "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm",
+        "effective_bandwidth": calibration.effective_bandwidth_bytes_per_second,
+        "step_overhead": calibration.step_overhead_seconds,
+        "targets": {"static": ["http://127.0.0.1:8000/metrics"]}}]})
+    return config.deployments[0]
+
+
+@dataclass(frozen=True)
+class Poll:
+    end_seconds: float
+    reading: Reading
+    true_median_seconds: float | None  # median ITL observation in the window (ground truth)
+    agents_running: int  # at poll time
+    agent_prefill_in_window: bool
+
+
+@lru_cache(maxsize=None)
+def _run(scenario: str, until_seconds: float) -> tuple[tuple[Poll, ...], Deployment]:
+    deployment = _deployment()
+    target = Target(deployment="pool", url="http://127.0.0.1:8000/metrics", target="127.0.0.1:8000")
+    sim = Simulator(SPEC, load_scenario(scenario), record_steps=True)
+    assert sim.steps is not None
+    polls: list[Poll] = []
+    previous = None
+    seen_steps = 0
+    t = 0.0
+    while t < until_seconds:
+        t += POLL_SECONDS
+        sim.run_until(t)
+        (snapshot,) = read_page(sim.render_metrics()).snapshots
+        window = compute_window(previous, snapshot)
+        previous = snapshot
+        reading = derive_reading(deployment, target, snapshot, window, now_seconds=t, scrape_duration_seconds=0.0)
+        steps = sim.steps[seen_steps:]
+        seen_steps = len(sim.steps)
+        observations = [s.seconds for s in steps for _ in range(s.decode_tokens)]
+        agents = [r for r in sim.running if r.group == "agent"]
+        agent_prefill = any(s.prefill_tokens > 2048 // 2 for s in steps) and scenario == "agents-join" and (
+            AGENTS_JOIN_SECONDS <= t < AGENTS_JOIN_SECONDS + 2 * POLL_SECONDS)
+        polls.append(Poll(t, reading, statistics.median(observations) if observations else None, len(agents),
+                          agent_prefill))
+    return tuple(polls), deployment
+
+
+def _tracking_errors(polls: tuple[Poll, ...]) -> list[tuple[float, float]]:
+    errors = []
+    for poll in polls[1:]:  # the first poll has no window yet
+        if poll.agent_prefill_in_window:
+            continue  # 200,000 prompt tokens being prefilled: a transition, not a steady state
+        assert poll.reading.predicted_step_seconds is not None and poll.true_median_seconds is not None
+        errors.append((poll.end_seconds,
+                       (poll.reading.predicted_step_seconds - poll.true_median_seconds) / poll.true_median_seconds))
+    return errors
+
+
+def test_calibration_from_one_stream_fits() -> None:
+    calibration = _calibration()
+    assert calibration.agrees
+    for point, fitted in zip(calibration.points, calibration.fitted_seconds):
+        assert fitted == pytest.approx(point.itl_seconds, rel=0.02)
+    # The simulated server pays a per-step launch/scheduling cost; the fit finds one.
+    assert 0 < calibration.step_overhead_seconds < 0.005
+
+
+@pytest.mark.parametrize("scenario, until", [("steady-chat", 180.0), ("agents-join", 540.0)])
+def test_prediction_tracks_the_measured_median_within_15_percent(scenario: str, until: float) -> None:
+    polls, _ = _run(scenario, until)
+    errors = _tracking_errors(polls)
+    assert len(errors) >= len(polls) - 3
+    worst = max(errors, key=lambda e: abs(e[1]))
+    assert abs(worst[1]) <= TOLERANCE, f"at t={worst[0]:.0f}s the prediction is off by {worst[1]:+.1%}"
+
+
+def test_over_budget_exactly_while_the_agents_are_in() -> None:
+    polls, deployment = _run("agents-join", 540.0)
+    budget = deployment.step_budget_seconds
+    assert budget == pytest.approx(0.9 / 50)
+    for poll in polls:
+        over = poll.reading.predicted_step_seconds is not None and poll.reading.predicted_step_seconds > budget
+        assert over == (poll.agents_running > 0), f"t={poll.end_seconds:.0f}s"
+    in_polls = [p for p in polls if p.agents_running]
+    assert min(p.end_seconds for p in in_polls) == AGENTS_JOIN_SECONDS + POLL_SECONDS
+    assert max(p.end_seconds for p in in_polls) == AGENTS_LEAVE_SECONDS
+    # ... and the agents about double the measured step.
+    before = statistics.median(p.true_median_seconds for p in polls if 30 <= p.end_seconds <= AGENTS_JOIN_SECONDS)
+    during = statistics.median(p.true_median_seconds for p in in_polls)
+    assert 1.7 < during / before < 2.5
+
+
+def test_prefill_burst_is_interference_not_memory() -> None:
+    polls, deployment = _run("prefill-burst", 300.0)
+    budget = deployment.step_budget_seconds
+    scenario = load_scenario("prefill-burst")
+    start, stop = scenario.groups[1].start_seconds, scenario.groups[1].stop_seconds  # type: ignore[union-attr]
+    assert stop is not None
+    memory = [p.reading.predicted_memory_step_seconds for p in polls]
+    assert all(m is not None and m <= budget for m in memory)
+    assert max(memory) / min(memory) < 1.25  # type: ignore[type-var,operator]
+    for poll in polls[1:]:
+        measured = poll.reading.measured_step_seconds
+        assert measured is not None
+        burst_covers_window = start + POLL_SECONDS <= poll.end_seconds - POLL_SECONDS and poll.end_seconds <= stop
+        quiet_window = poll.end_seconds <= start or poll.end_seconds - POLL_SECONDS >= stop + POLL_SECONDS
+        if burst_covers_window:  # StepBudgetPrefillInterference's condition
+            assert measured > budget, f"t={poll.end_seconds:.0f}s"
+        elif quiet_window:
+            assert measured < budget, f"t={poll.end_seconds:.0f}s"
+
+
+def test_overload_preempts_and_the_daemon_exports_it() -> None:
+    polls, deployment = _run("overload", 60.0)
+    preemptions = [p.reading.preemptions_total for p in polls]
+    assert preemptions[0] is not None and preemptions == sorted(preemptions)  # type: ignore[type-var]
+    assert preemptions[-1] > preemptions[1] > 0  # type: ignore[operator]
+    assert max(p.reading.kv_cache_usage_ratio or 0.0 for p in polls) > 0.95
+    last = polls[-1].reading
+    page = generate_latest(make_registry(lambda: [last], [deployment])).decode()
+    exported = [line for line in page.splitlines() if line.startswith("stepbudget_preemptions_total{")]
+    assert len(exported) == 1 and float(exported[0].rsplit(" ", 1)[1]) == preemptions[-1]
