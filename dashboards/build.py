@@ -45,6 +45,7 @@ TARGET_SELECTOR = POOL_SELECTOR + ', target=~"$target"'
 TOKENS_PER_SECOND = "suffix: tok/s"  # Grafana custom unit: no built-in tokens/s
 PANEL_HEIGHT = 8
 HALF, THIRD = 12, 8
+Panel = Timeseries | Stat | StateTimeline
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,15 @@ def row(row_id: int, title: str) -> dash.Row:
     return dash.Row(title).id(row_id)
 
 
+def _layout(board: dash.Dashboard, rows: Sequence[tuple[str, Sequence[Panel]]], first_row_id: int) -> dash.Dashboard:
+    """Append each row and its panels; the builder lays the panels out left to right."""
+    for offset, (title, panels) in enumerate(rows):
+        board = board.with_row(row(first_row_id + offset, title))
+        for panel in panels:
+            board = board.with_panel(panel)
+    return board
+
+
 def _base(uid: str, title: str, description: str) -> dash.Dashboard:
     return (
         dash.Dashboard(title)
@@ -194,89 +204,95 @@ def overview() -> dash.Dashboard:
     ).with_variable(query_variable(
         "target", "Target",
         'label_values(stepbudget_target_up{deployment=~"$deployment", model_name=~"$model"}, target)'))
-    board = board.with_row(row(101, "Step time against the budget"))
-    board = board.with_panel(timeseries(
-        1, "Predicted vs measured step time", "s",
-        "Predicted step time (from tokens in flight and prefill), measured mean and median "
-        "inter-token latency, and the step budget (dashed red). Predicted above budget for 5m pages.",
-        [Query(per_target("stepbudget_predicted_step_seconds"), "{{target}} predicted"),
-         Query(per_target("stepbudget_measured_step_seconds"), "{{target}} measured mean"),
-         Query(per_target("stepbudget_measured_step_median_seconds"), "{{target}} measured median"),
-         Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
-        budget_legend=".* budget$", min_value=0))
-    board = board.with_panel(timeseries(
-        2, "Step time per budget", "percentunit",
-        "Predicted and measured step time as a share of the step budget; above 100% every stream "
-        "on the target is slower than its speed target.",
-        [Query(f'target:stepbudget_predicted_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} predicted"),
-         Query(f'target:stepbudget_measured_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} measured")],
-        limit=1, min_value=0))
-    board = board.with_panel(timeseries(
-        3, "Predicted memory vs compute step", "s",
-        "The two terms of the prediction: bytes read per step over bandwidth (memory) and FLOPs of "
-        "decode plus prefill tokens over compute. Compute above memory means prompt chunks set the pace.",
-        [Query(per_target("stepbudget_predicted_memory_step_seconds"), "{{target}} memory"),
-         Query(per_target("stepbudget_predicted_compute_step_seconds"), "{{target}} compute"),
-         Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
-        budget_legend=".* budget$", min_value=0))
-    board = board.with_panel(timeseries(
-        4, "Prediction error", "percentunit",
-        "(predicted - measured) / measured. Outside ±15% for 15m raises StepBudgetPredictionDrift: "
-        "refit with `stepbudget calibrate`.",
-        [Query(per_target("stepbudget_prediction_error_ratio"), "{{target}}")],
-        limit=0.15))
-    board = board.with_row(row(102, "Tokens in flight"))
-    board = board.with_panel(timeseries(
-        5, "Tokens in flight vs token budget and KV capacity", "short",
-        "Total context held by running requests, the most that fits the step budget (token budget, "
-        "dashed red) and the most the KV cache holds. Speed runs out at the budget, memory at capacity.",
-        [Query(per_target("stepbudget_tokens_in_flight"), "{{target}} in flight"),
-         Query(per_target("stepbudget_token_budget_tokens"), "{{target}} token budget"),
-         Query(per_target("stepbudget_kv_cache_capacity_tokens"), "{{target}} KV capacity")],
-        budget_legend=".* token budget$", min_value=0))
-    board = board.with_panel(timeseries(
-        6, "Token budget utilization", "percentunit",
-        "Tokens in flight as a share of the token budget. The chart's KEDA example scales replicas "
-        "on the pool's value of this ratio.",
-        [Query(per_target("stepbudget_token_budget_utilization_ratio"), "{{target}}")],
-        limit=1, min_value=0))
-    board = board.with_row(row(103, "Per-user speed"))
-    board = board.with_panel(timeseries(
-        7, "Per-user tokens/s vs target", TOKENS_PER_SECOND,
-        "Every decoding request gets one token per step: predicted and measured tokens/s per user, "
-        "and the speed at the step budget (target tokens/s divided by headroom, dashed red).",
-        [Query(per_target("stepbudget_predicted_user_tokens_per_second"), "{{target}} predicted"),
-         Query(f'target:stepbudget_measured_user_tokens_per_second:mean{{{TARGET_SELECTOR}}}', "{{target}} measured"),
-         Query(f"1 / {per_target('stepbudget_step_budget_seconds')}", "{{target}} speed at budget")],
-        budget_legend=".* speed at budget$", min_value=0))
-    board = board.with_panel(timeseries(
-        8, "Bytes read per step", "bytes",
-        "Weights read once per step plus every running request's KV cache.",
-        [Query(per_target("stepbudget_step_read_bytes"), "{{target}}")], min_value=0))
-    board = board.with_row(row(104, "Batch, cache and health"))
-    board = board.with_panel(timeseries(
-        9, "Prefill tokens per step", "short",
-        "Prompt tokens processed per engine step. High values with steps over budget while tokens "
-        "in flight fit mean prefill interference: lower max_num_batched_tokens.",
-        [Query(per_target("stepbudget_prefill_tokens_per_step"), "{{target}}")], width=THIRD, min_value=0))
-    board = board.with_panel(timeseries(
-        10, "Preemptions", "reqps",
-        "Requests preempted per second (5m rate): the server dropped their KV cache to make room.",
-        [Query(f'target:stepbudget_preemptions:rate5m{{{TARGET_SELECTOR}}}', "{{target}}")],
-        width=THIRD, min_value=0))
-    board = board.with_panel(timeseries(
-        11, "KV cache usage", "percentunit",
-        "Share of the KV cache in use. Above 95% for 10m raises StepBudgetKVCacheNearlyFull.",
-        [Query(per_target("stepbudget_kv_cache_usage_ratio"), "{{target}}")],
-        width=THIRD, limit=0.95, min_value=0).max(1))
-    board = board.with_panel(target_up_panel(12))
-    board = board.with_panel(timeseries(
-        13, "Effective bandwidth", "Bps",
-        "Memory bandwidth the model uses for this target, and where it came from (configured, "
-        "calibrated, or the default share of peak).",
-        [Query(per_target("stepbudget_effective_bandwidth_bytes_per_second"), "{{target}} ({{source}})")],
-        min_value=0))
-    return board
+    rows = [
+        ("Step time against the budget", [
+            timeseries(
+                1, "Predicted vs measured step time", "s",
+                "Predicted step time (from tokens in flight and prefill), measured mean and median "
+                "inter-token latency, and the step budget (dashed red). Predicted above budget for 5m pages.",
+                [Query(per_target("stepbudget_predicted_step_seconds"), "{{target}} predicted"),
+                 Query(per_target("stepbudget_measured_step_seconds"), "{{target}} measured mean"),
+                 Query(per_target("stepbudget_measured_step_median_seconds"), "{{target}} measured median"),
+                 Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
+                budget_legend=".* budget$", min_value=0),
+            timeseries(
+                2, "Step time per budget", "percentunit",
+                "Predicted and measured step time as a share of the step budget; above 100% every stream "
+                "on the target is slower than its speed target.",
+                [Query(f'target:stepbudget_predicted_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} predicted"),
+                 Query(f'target:stepbudget_measured_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} measured")],
+                limit=1, min_value=0),
+            timeseries(
+                3, "Predicted memory vs compute step", "s",
+                "The two terms of the prediction: bytes read per step over bandwidth (memory) and FLOPs of "
+                "decode plus prefill tokens over compute. Compute above memory means prompt chunks set the pace.",
+                [Query(per_target("stepbudget_predicted_memory_step_seconds"), "{{target}} memory"),
+                 Query(per_target("stepbudget_predicted_compute_step_seconds"), "{{target}} compute"),
+                 Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
+                budget_legend=".* budget$", min_value=0),
+            timeseries(
+                4, "Prediction error", "percentunit",
+                "(predicted - measured) / measured. Outside ±15% for 15m raises StepBudgetPredictionDrift: "
+                "refit with `stepbudget calibrate`.",
+                [Query(per_target("stepbudget_prediction_error_ratio"), "{{target}}")],
+                limit=0.15),
+        ]),
+        ("Tokens in flight", [
+            timeseries(
+                5, "Tokens in flight vs token budget and KV capacity", "short",
+                "Total context held by running requests, the most that fits the step budget (token budget, "
+                "dashed red) and the most the KV cache holds. Speed runs out at the budget, memory at capacity.",
+                [Query(per_target("stepbudget_tokens_in_flight"), "{{target}} in flight"),
+                 Query(per_target("stepbudget_token_budget_tokens"), "{{target}} token budget"),
+                 Query(per_target("stepbudget_kv_cache_capacity_tokens"), "{{target}} KV capacity")],
+                budget_legend=".* token budget$", min_value=0),
+            timeseries(
+                6, "Token budget utilization", "percentunit",
+                "Tokens in flight as a share of the token budget. The chart's KEDA example scales replicas "
+                "on the pool's value of this ratio.",
+                [Query(per_target("stepbudget_token_budget_utilization_ratio"), "{{target}}")],
+                limit=1, min_value=0),
+        ]),
+        ("Per-user speed", [
+            timeseries(
+                7, "Per-user tokens/s vs target", TOKENS_PER_SECOND,
+                "Every decoding request gets one token per step: predicted and measured tokens/s per user, "
+                "and the speed at the step budget (target tokens/s divided by headroom, dashed red).",
+                [Query(per_target("stepbudget_predicted_user_tokens_per_second"), "{{target}} predicted"),
+                 Query(f'target:stepbudget_measured_user_tokens_per_second:mean{{{TARGET_SELECTOR}}}', "{{target}} measured"),
+                 Query(f"1 / {per_target('stepbudget_step_budget_seconds')}", "{{target}} speed at budget")],
+                budget_legend=".* speed at budget$", min_value=0),
+            timeseries(
+                8, "Bytes read per step", "bytes",
+                "Weights read once per step plus every running request's KV cache.",
+                [Query(per_target("stepbudget_step_read_bytes"), "{{target}}")], min_value=0),
+        ]),
+        ("Batch, cache and health", [
+            timeseries(
+                9, "Prefill tokens per step", "short",
+                "Prompt tokens processed per engine step. High values with steps over budget while tokens "
+                "in flight fit mean prefill interference: lower max_num_batched_tokens.",
+                [Query(per_target("stepbudget_prefill_tokens_per_step"), "{{target}}")], width=THIRD, min_value=0),
+            timeseries(
+                10, "Preemptions", "reqps",
+                "Requests preempted per second (5m rate): the server dropped their KV cache to make room.",
+                [Query(f'target:stepbudget_preemptions:rate5m{{{TARGET_SELECTOR}}}', "{{target}}")],
+                width=THIRD, min_value=0),
+            timeseries(
+                11, "KV cache usage", "percentunit",
+                "Share of the KV cache in use. Above 95% for 10m raises StepBudgetKVCacheNearlyFull.",
+                [Query(per_target("stepbudget_kv_cache_usage_ratio"), "{{target}}")],
+                width=THIRD, limit=0.95, min_value=0).max(1),
+            target_up_panel(12),
+            timeseries(
+                13, "Effective bandwidth", "Bps",
+                "Memory bandwidth the model uses for this target, and where it came from (configured, "
+                "calibrated, or the default share of peak).",
+                [Query(per_target("stepbudget_effective_bandwidth_bytes_per_second"), "{{target}} ({{source}})")],
+                min_value=0),
+        ]),
+    ]
+    return _layout(board, rows, first_row_id=101)
 
 
 def pools() -> dash.Dashboard:
@@ -288,51 +304,55 @@ def pools() -> dash.Dashboard:
         "Per deployment and model (all replicas together): tokens in flight against the pool's token "
         "budget and KV capacity, the worst replica's step time, and how many replicas are over budget.",
     )
-    board = board.with_row(row(105, "Pool capacity"))
-    board = board.with_panel(timeseries(
-        1, "Pool tokens in flight vs token budget and KV capacity", "short",
-        "Sum over the pool's replicas. Adding a replica adds its token budget.",
-        [Query(f"deployment_model_name:stepbudget_tokens_in_flight:sum{{{sel}}}", "{{deployment}} in flight"),
-         Query(f"deployment_model_name:stepbudget_token_budget_tokens:sum{{{sel}}}", "{{deployment}} token budget"),
-         Query(f"deployment_model_name:stepbudget_kv_cache_capacity_tokens:sum{{{sel}}}", "{{deployment}} KV capacity")],
-        budget_legend=".* token budget$", min_value=0))
-    board = board.with_panel(timeseries(
-        2, "Pool token budget utilization", "percentunit",
-        "Pool tokens in flight per pool token budget: the signal the KEDA example scales on.",
-        [Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}", "{{deployment}}")],
-        limit=1, min_value=0))
-    board = board.with_panel(timeseries(
-        3, "Pool KV cache usage", "percentunit",
-        "Pool tokens in flight per pool KV capacity.",
-        [Query(f"deployment_model_name:stepbudget_kv_cache_usage:ratio{{{sel}}}", "{{deployment}}")],
-        limit=0.95, min_value=0).max(1))
-    board = board.with_panel(timeseries(
-        4, "Worst step time vs budget", "s",
-        "The slowest replica's predicted and measured step time against the tightest step budget.",
-        [Query(f"deployment_model_name:stepbudget_predicted_step_seconds:max{{{sel}}}", "{{deployment}} predicted (max)"),
-         Query(f"deployment_model_name:stepbudget_measured_step_seconds:max{{{sel}}}", "{{deployment}} measured (max)"),
-         Query(f"deployment_model_name:stepbudget_step_budget_seconds:min{{{sel}}}", "{{deployment}} budget")],
-        budget_legend=".* budget$", min_value=0))
-    board = board.with_row(row(106, "Replicas"))
-    board = board.with_panel(timeseries(
-        5, "Targets over budget", "none",
-        "Replicas whose predicted step is over budget, replicas reachable, and all replicas.",
-        [Query(f"deployment_model_name:stepbudget_targets_over_budget:sum{{{sel}}}", "{{deployment}} over budget"),
-         Query(f"deployment_model_name:stepbudget_targets_up:sum{{{sel}}}", "{{deployment}} up"),
-         Query(f"deployment_model_name:stepbudget_targets:count{{{sel}}}", "{{deployment}} total")],
-        min_value=0))
-    board = board.with_panel(timeseries(
-        6, "Pool preemptions", "reqps",
-        "Requests preempted per second over the pool (5m rate).",
-        [Query(f"deployment_model_name:stepbudget_preemptions:rate5m{{{sel}}}", "{{deployment}}")],
-        min_value=0))
-    board = board.with_panel(
-        Stat().id(7).title("Pool token budget utilization now").unit("percentunit").datasource(DATASOURCE)
-        .description("Latest pool utilization per deployment and model; red at 100%.")
-        .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",
-                                 "{{deployment}} / {{model_name}}")]))
-        .thresholds(_thresholds(1)).height(PANEL_HEIGHT).span(24))
-    return board
+    rows = [
+        ("Pool capacity", [
+            timeseries(
+                1, "Pool tokens in flight vs token budget and KV capacity", "short",
+                "Sum over the pool's replicas. Adding a replica adds its token budget.",
+                [Query(f"deployment_model_name:stepbudget_tokens_in_flight:sum{{{sel}}}", "{{deployment}} in flight"),
+                 Query(f"deployment_model_name:stepbudget_token_budget_tokens:sum{{{sel}}}", "{{deployment}} token budget"),
+                 Query(f"deployment_model_name:stepbudget_kv_cache_capacity_tokens:sum{{{sel}}}", "{{deployment}} KV capacity")],
+                budget_legend=".* token budget$", min_value=0),
+            timeseries(
+                2, "Pool token budget utilization", "percentunit",
+                "Pool tokens in flight per pool token budget: the signal the KEDA example scales on.",
+                [Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}", "{{deployment}}")],
+                limit=1, min_value=0),
+            timeseries(
+                3, "Pool KV cache usage", "percentunit",
+                "Pool tokens in flight per pool KV capacity.",
+                [Query(f"deployment_model_name:stepbudget_kv_cache_usage:ratio{{{sel}}}", "{{deployment}}")],
+                limit=0.95, min_value=0).max(1),
+            timeseries(
+                4, "Worst step time vs budget", "s",
+                "The slowest replica's predicted and measured step time against the tightest step budget.",
+                [Query(f"deployment_model_name:stepbudget_predicted_step_seconds:max{{{sel}}}", "{{deployment}} predicted (max)"),
+                 Query(f"deployment_model_name:stepbudget_measured_step_seconds:max{{{sel}}}", "{{deployment}} measured (max)"),
+                 Query(f"deployment_model_name:stepbudget_step_budget_seconds:min{{{sel}}}", "{{deployment}} budget")],
+                budget_legend=".* budget$", min_value=0),
+        ]),
+        ("Replicas", [
+            timeseries(
+                5, "Targets over budget", "none",
+                "Replicas whose predicted step is over budget, replicas reachable, and all replicas.",
+                [Query(f"deployment_model_name:stepbudget_targets_over_budget:sum{{{sel}}}", "{{deployment}} over budget"),
+                 Query(f"deployment_model_name:stepbudget_targets_up:sum{{{sel}}}", "{{deployment}} up"),
+                 Query(f"deployment_model_name:stepbudget_targets:count{{{sel}}}", "{{deployment}} total")],
+                min_value=0),
+            timeseries(
+                6, "Pool preemptions", "reqps",
+                "Requests preempted per second over the pool (5m rate).",
+                [Query(f"deployment_model_name:stepbudget_preemptions:rate5m{{{sel}}}", "{{deployment}}")],
+                min_value=0),
+            
+                Stat().id(7).title("Pool token budget utilization now").unit("percentunit").datasource(DATASOURCE)
+                .description("Latest pool utilization per deployment and model; red at 100%.")
+                .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",
+                                         "{{deployment}} / {{model_name}}")]))
+                .thresholds(_thresholds(1)).height(PANEL_HEIGHT).span(24),
+        ]),
+    ]
+    return _layout(board, rows, first_row_id=105)
 
 
 DASHBOARDS: dict[str, Callable[[], dash.Dashboard]] = {
