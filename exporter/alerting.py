@@ -145,7 +145,8 @@ RULES: tuple[AlertRule, ...] = (
     AlertRule("StepBudgetTargetDown", "warning", 300.0, _down,
               "stepbudget cannot read this model server's metrics; its predictions and alerts are blind.",
               "stepbudget has failed to fetch or parse the metrics of {{ $labels.target }} (deployment "
-              "{{ $labels.deployment }}, model {{ $labels.model_name }}) for 5 minutes.",
+              "{{ $labels.deployment }}, model {{ $labels.model_name }}) for 5 minutes "
+              "(stepbudget_target_up = {{ $value }}).",
               RUNBOOK + "stepbudgettargetdown"),
 )
 

@@ -129,6 +129,12 @@ def _size(value: Any, where: _Where) -> float:
 
 
 def _number(value: Any) -> float:
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads `8.0e9` and `2e12` as strings: accept plain numbers written so.
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _Bad(f"expected a number, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _Bad(f"expected a number, got {value!r}")
     return float(value)

@@ -1,0 +1,299 @@
+"""The in-process alert loop: the same conditions, thresholds, `for`, severities, annotations and
+label sets as rules/stepbudget.alerts.yaml; pending -> firing -> resolved on an injected clock; the
+Alertmanager API v2 protocol (resend cadence, endsAt); and a real Alertmanager on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import structlog
+import yaml
+from structlog.testing import capture_logs
+
+from exporter.alerting import (
+    KV_CACHE_NEARLY_FULL_RATIO, DRIFT_THRESHOLD_RATIO, PAGE_ALERT, PREEMPTION_WINDOW_SECONDS, RULES, AlertLoop,
+    humanize_duration, post_alerts, render,
+)
+from exporter.config import Alerting
+from exporter.reading import Reading
+from exporter.units import parse_duration_seconds
+from tests.conftest import Alertmanager, ManualClock, wait_until
+
+RULES_FILE = Path(__file__).resolve().parent.parent / "rules" / "stepbudget.alerts.yaml"
+SERIES = {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0",
+          "namespace": "llm", "pod": "vllm-0"}
+
+
+def reading(**values: object) -> Reading:
+    """A healthy reading under budget; tests override what they need."""
+    base = dict(deployment="chat", target="10.0.0.5:8000", model_name="Qwen/Qwen3-8B", engine="0",
+                namespace="llm", pod="vllm-0", target_up=True, predicted_step_seconds=0.010,
+                predicted_memory_step_seconds=0.010, measured_step_seconds=0.0105, prediction_error_ratio=-0.05,
+                step_budget_seconds=0.018, kv_cache_usage_ratio=0.5, preemptions_total=0.0)
+    return Reading(**{**base, **values})  # type: ignore[arg-type]
+
+
+class Recorder:
+    def __init__(self, fail: bool = False) -> None:
+        self.posts: list[tuple[str, list[dict[str, object]], float]] = []
+        self.fail = fail
+
+    def __call__(self, url: str, alerts: list[dict[str, object]], timeout: float) -> None:
+        self.posts.append((url, alerts, timeout))
+        if self.fail:
+            raise ConnectionError("Connection refused")
+
+
+def loop(clock: ManualClock, recorder: Recorder, **alerting: object) -> AlertLoop:
+    config = Alerting(**{"alertmanager_urls": ("http://am.invalid:9093",), **alerting})  # type: ignore[arg-type]
+    return AlertLoop(config, poll_interval_seconds=15, generator_url="http://stepbudget:9421/", clock=clock, post=recorder)
+
+
+def seconds(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog():
+    yield
+    structlog.reset_defaults()
+
+
+# --- the table mirrors the rules file --------------------------------------------------------------
+
+
+def _rule_file_alerts() -> dict[str, dict[str, object]]:
+    document = yaml.safe_load(RULES_FILE.read_text())
+    return {rule["alert"]: rule for group in document["groups"] for rule in group["rules"] if "alert" in rule}
+
+
+def _words(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def test_rule_table_mirrors_the_rules_file() -> None:
+    file_rules = _rule_file_alerts()
+    # ExporterAbsent is Prometheus-only: a daemon cannot report its own absence.
+    assert set(file_rules) - {"StepBudgetExporterAbsent"} == {rule.name for rule in RULES}
+    for rule in RULES:
+        source = file_rules[rule.name]
+        assert rule.severity == source["labels"]["severity"], rule.name
+        assert set(source["labels"]) == {"severity"}, "the daemon adds only severity to the series labels"
+        assert rule.for_seconds == parse_duration_seconds(source["for"]), rule.name
+        annotations = source["annotations"]
+        assert rule.summary == annotations["summary"], rule.name
+        assert rule.runbook_url == annotations["runbook_url"], rule.name
+        assert _words(rule.description) == _words(annotations["description"]), rule.name
+
+
+def test_thresholds_match_the_rule_expressions() -> None:
+    file_rules = _rule_file_alerts()
+    assert f"> {DRIFT_THRESHOLD_RATIO}" in file_rules["StepBudgetPredictionDrift"]["expr"]
+    assert f"> {KV_CACHE_NEARLY_FULL_RATIO}" in file_rules["StepBudgetKVCacheNearlyFull"]["expr"]
+    window = re.search(r"\[(\w+)\]", file_rules["StepBudgetPreemptions"]["expr"]).group(1)
+    assert parse_duration_seconds(window) == PREEMPTION_WINDOW_SECONDS
+    for rule in file_rules.values():
+        if rule["alert"] != "StepBudgetExporterAbsent":
+            assert "max without (instance, job)" in rule["expr"], "rules aggregate job/instance away, as the daemon's labels"
+
+
+# --- for semantics and the protocol ------------------------------------------------------------------
+
+
+def test_pending_then_firing_after_for_with_exactly_the_rule_labels(clock: ManualClock) -> None:
+    recorder = Recorder()
+    alerts = loop(clock, recorder)
+    over = reading(predicted_step_seconds=0.025, predicted_memory_step_seconds=0.025)
+    start = clock.now
+    assert alerts.evaluate([over], clock.now) == []
+    clock.advance(299)
+    assert alerts.evaluate([over], clock.now) == []
+    clock.advance(1)
+    [posted] = alerts.evaluate([over], clock.now)
+    assert posted["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
+    assert seconds(posted["startsAt"]) == pytest.approx(start + 300)
+    assert seconds(posted["endsAt"]) == pytest.approx(clock.now + 4 * max(15, 60))
+    assert posted["generatorURL"] == "http://stepbudget:9421/"
+    assert posted["annotations"]["description"].startswith(
+        "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) has been 25ms,")
+    assert recorder.posts[0][0] == "http://am.invalid:9093" and recorder.posts[0][2] == 5.0
+
+
+def test_firing_alert_is_reposted_at_most_every_60s_and_resolved_with_ends_at_now(clock: ManualClock) -> None:
+    recorder = Recorder()
+    alerts = loop(clock, recorder, for_seconds=0.0)
+    over = reading(predicted_step_seconds=0.025, predicted_memory_step_seconds=0.025)
+    assert len(alerts.evaluate([over], clock.now)) == 1
+    sent = [clock.now]
+    for _ in range(12):  # every 15 s for 3 minutes
+        clock.advance(15)
+        if alerts.evaluate([over], clock.now):
+            sent.append(clock.now)
+    assert [b - a for a, b in zip(sent, sent[1:])] == [60.0, 60.0, 60.0]
+    clock.advance(15)
+    [resolved] = alerts.evaluate([reading()], clock.now)
+    assert resolved["labels"]["alertname"] == PAGE_ALERT
+    assert seconds(resolved["endsAt"]) == pytest.approx(clock.now)
+    assert alerts.firing() == []
+    # Resolved notifications are repeated (as Prometheus does) for 15 minutes, then forgotten.
+    resent = 0
+    for _ in range(80):
+        clock.advance(15)
+        resent += len(alerts.evaluate([reading()], clock.now))
+    assert resent == 15
+
+
+def test_endsat_follows_a_long_poll_interval(clock: ManualClock) -> None:
+    recorder = Recorder()
+    alerts = AlertLoop(Alerting(alertmanager_urls=("http://am.invalid",), for_seconds=0.0),
+                       poll_interval_seconds=120, clock=clock, post=recorder)
+    [posted] = alerts.evaluate([reading(predicted_step_seconds=1.0, predicted_memory_step_seconds=1.0)], clock.now)
+    assert seconds(posted["endsAt"]) == pytest.approx(clock.now + 4 * 120)
+
+
+def test_pending_that_clears_is_never_sent(clock: ManualClock) -> None:
+    recorder = Recorder()
+    alerts = loop(clock, recorder)
+    alerts.evaluate([reading(predicted_step_seconds=0.025)], clock.now)
+    clock.advance(200)
+    alerts.evaluate([reading()], clock.now)
+    clock.advance(200)
+    assert alerts.evaluate([reading(predicted_step_seconds=0.025)], clock.now) == []
+    assert recorder.posts == []
+
+
+def test_for_override_applies_to_the_page(clock: ManualClock) -> None:
+    alerts = loop(clock, Recorder(), for_seconds=30.0)
+    rules = {rule.name: rule.for_seconds for rule in alerts.rules}
+    assert rules[PAGE_ALERT] == 30.0
+    assert rules["StepBudgetPredictionDrift"] == 900.0
+
+
+def test_alertmanager_down_is_logged_never_fatal(clock: ManualClock) -> None:
+    recorder = Recorder(fail=True)
+    alerts = loop(clock, recorder, for_seconds=0.0)
+    with capture_logs() as logs:
+        alerts.evaluate([reading(predicted_step_seconds=0.025)], clock.now)
+    [line] = [line for line in logs if line["event"] == "alertmanager_post_failed"]
+    assert line["url"] == "http://am.invalid:9093" and "Connection refused" in line["reason"]
+
+
+def test_real_post_to_an_unreachable_alertmanager_times_out_cleanly() -> None:
+    from tests.conftest import free_port
+
+    with pytest.raises(Exception):
+        post_alerts(f"http://127.0.0.1:{free_port()}", [], 1.0)
+
+
+# --- each condition ---------------------------------------------------------------------------------
+
+
+def firing_names(readings_sequence: list[list[Reading]], clock: ManualClock, step: float = 60.0) -> set[str]:
+    """Feed readings one poll at a time, `step` seconds apart, long enough for every `for`."""
+    alerts = loop(clock, Recorder())
+    for readings in readings_sequence:
+        alerts.evaluate(readings, clock.now)
+        clock.advance(step)
+    return {alert["alertname"] for alert in alerts.firing()}
+
+
+def held(r: Reading, minutes: int = 16) -> list[list[Reading]]:
+    return [[r]] * (minutes + 1)
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({}, set()),
+    ({"predicted_step_seconds": 0.02, "predicted_memory_step_seconds": 0.02}, {PAGE_ALERT}),
+    ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1, "predicted_memory_step_seconds": 0.019},
+     {"StepBudgetMeasuredStepOverBudget"}),
+    # Measured over, memory prediction fits: prompt chunks are the cause.
+    ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1}, {"StepBudgetMeasuredStepOverBudget",
+                                                                       "StepBudgetPrefillInterference"}),
+    ({"prediction_error_ratio": -0.16}, {"StepBudgetPredictionDrift"}),
+    ({"prediction_error_ratio": 0.16}, {"StepBudgetPredictionDrift"}),
+    ({"prediction_error_ratio": 0.15}, set()),
+    ({"kv_cache_usage_ratio": 0.96}, {"StepBudgetKVCacheNearlyFull"}),
+    ({"kv_cache_usage_ratio": 0.95}, set()),
+])
+def test_each_condition(values: dict[str, object], expected: set[str], clock: ManualClock) -> None:
+    assert firing_names(held(reading(**values)), clock) == expected
+
+
+def test_missing_values_raise_no_alert(clock: ManualClock) -> None:
+    """A value left out of the export (None) compares to nothing, as an absent series in PromQL."""
+    blank = reading(predicted_step_seconds=None, measured_step_seconds=None, prediction_error_ratio=None,
+                    kv_cache_usage_ratio=None, preemptions_total=None, predicted_memory_step_seconds=None)
+    assert firing_names(held(blank), clock) == set()
+
+
+def test_preemptions_fire_while_increasing_and_clear_after_the_window(clock: ManualClock) -> None:
+    alerts = loop(clock, Recorder())
+    for count in range(7):  # one more preemption every minute for 6 minutes
+        alerts.evaluate([reading(preemptions_total=float(count))], clock.now)
+        clock.advance(60)
+    assert {a["alertname"] for a in alerts.firing()} == {"StepBudgetPreemptions"}
+    for _ in range(6):  # flat for 6 minutes: increase over 5m drops to 0
+        alerts.evaluate([reading(preemptions_total=6.0)], clock.now)
+        clock.advance(60)
+    assert alerts.firing() == []
+
+
+def test_target_down_has_only_the_labels_the_series_has(clock: ManualClock) -> None:
+    """A target never read has no model_name/engine: the alert carries none (as Prometheus drops empty labels)."""
+    down = Reading(deployment="chat", target="10.0.0.9:8000", target_up=False)
+    alerts = loop(clock, Recorder())
+    posted = []
+    for _ in range(6):
+        posted += alerts.evaluate([down], clock.now)
+        clock.advance(60)
+    assert [p["labels"] for p in posted] == [{"alertname": "StepBudgetTargetDown", "severity": "warning",
+                                              "deployment": "chat", "target": "10.0.0.9:8000"}]
+
+
+def test_templates_render_like_prometheus() -> None:
+    assert humanize_duration(0.025) == "25ms"
+    assert humanize_duration(75) == "1m 15s"
+    assert humanize_duration(3.5) == "3.5s"
+    assert render("{{ $labels.target }}: {{ $value | humanizePercentage }}", {"target": "t"}, 0.2) == "t: 20%"
+    assert render("{{ $value | humanize }}", {}, 1234.0) == "1.234k"
+
+
+# --- a real Alertmanager ---------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_over_budget_alert_reaches_a_real_alertmanager_and_resolves(alertmanager: Alertmanager) -> None:
+    """Short `for` from config, injected clock for the loop, real Alertmanager API v2.
+
+    The injected clock starts 10 s in the past so that the resolution's endsAt is already over
+    when Alertmanager reads it (it treats an alert as active until endsAt).
+    """
+    import time
+
+    clock = ManualClock(start=time.time() - 10)
+    alerts = AlertLoop(Alerting(alertmanager_urls=(alertmanager.url,), for_seconds=2.0, timeout_seconds=5.0),
+                       poll_interval_seconds=1, clock=clock)
+    over = reading(predicted_step_seconds=0.025, predicted_memory_step_seconds=0.025)
+    alerts.evaluate([over], clock.now)
+    clock.advance(1)
+    alerts.evaluate([over], clock.now)
+    assert alertmanager.alerts() == [], "still pending: nothing sent before `for`"
+    clock.advance(1)
+    alerts.evaluate([over], clock.now)
+
+    def page_firing() -> list[dict[str, object]]:
+        return [a for a in alertmanager.alerts() if a["labels"].get("alertname") == PAGE_ALERT]
+
+    [received] = wait_until(page_firing)
+    assert received["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
+    assert received["status"]["state"] == "active"
+    assert received["annotations"]["runbook_url"].endswith("#stepbudgetpredictedstepoverbudget")
+
+    clock.advance(1)
+    alerts.evaluate([reading()], clock.now)
+    wait_until(lambda: page_firing() == [])

@@ -1,0 +1,255 @@
+"""Config validation: defaults, every error naming key path and file line (exit 2 from the CLI),
+close-name suggestions, the extension point, flag overrides on `serve`, and the shipped examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from exporter import cli
+from exporter.config import (
+    DEFAULT_MAX_RESPONSE_BYTES, TOP_LEVEL_KEYS, ConfigError, _EXTRA_SECTIONS, Key, _string, load_config,
+    register_section,
+)
+from exporter.daemon import build_parser, config_from_args
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "stepbudget.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+MINIMAL = """\
+    deployments:
+      - name: chat
+        model: qwen3-8b
+        gpu: h100-sxm
+        targets:
+          static: [http://10.0.0.5:8000/metrics]
+"""
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(write(tmp_path, text)))
+    return str(caught.value)
+
+
+def test_defaults(tmp_path: Path) -> None:
+    config = load_config(str(write(tmp_path, MINIMAL)))
+    assert (config.listen, config.poll_interval_seconds, config.timeout_seconds, config.stale_after_seconds) == (":9421", 15, 5, 60)
+    assert config.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES and config.log_format == "auto"
+    [deployment] = config.deployments
+    assert (deployment.target_tokens_per_second, deployment.headroom) == (50, 0.9)
+    assert deployment.step_budget_seconds == pytest.approx(0.9 / 50)
+    assert deployment.engine == "auto" and deployment.tensor_parallel == 1
+    assert deployment.resolved.bandwidth_source == "default"
+    assert deployment.resolved.setup.effective_bandwidth_bytes_per_second == pytest.approx(0.6 * 3.35e12)
+    assert config.alerting.alertmanager_urls == () and config.alerting.for_seconds is None
+
+
+def test_durations_sizes_and_defaults_section(tmp_path: Path) -> None:
+    config = load_config(str(write(tmp_path, textwrap.dedent("""\
+        poll_interval: 5s
+        timeout: 1500ms
+        stale_after: 2m
+        max_response_bytes: 1MiB
+        defaults: {target_tokens_per_second: 20, headroom: 0.8, bandwidth_efficiency: 0.5}
+        alerting: {alertmanager_urls: [http://am:9093], for: 10m}
+    """) + textwrap.dedent(MINIMAL))))
+    assert (config.poll_interval_seconds, config.timeout_seconds, config.stale_after_seconds) == (5, 1.5, 120)
+    assert config.max_response_bytes == 2**20
+    [deployment] = config.deployments
+    assert deployment.step_budget_seconds == pytest.approx(0.8 / 20)
+    assert deployment.resolved.setup.effective_bandwidth_bytes_per_second == pytest.approx(0.5 * 3.35e12)
+    assert config.alerting.alertmanager_urls == ("http://am:9093",) and config.alerting.for_seconds == 600
+
+
+def test_bad_url_names_its_path_and_line(tmp_path: Path) -> None:
+    message = error_of(tmp_path, MINIMAL + """\
+      - name: agents
+        model: llama-3.1-8b
+        gpu: h100-sxm
+        targets:
+          static:
+            - 10.0.0.7:8000
+    """)
+    assert "deployments[1].targets.static[0]" in message
+    assert "stepbudget.yaml:12:" in message and "'10.0.0.7:8000'" in message
+
+
+def test_unknown_key_suggests_the_close_name(tmp_path: Path) -> None:
+    message = error_of(tmp_path, "poll_intervall: 10s\n" + textwrap.dedent(MINIMAL))
+    assert "stepbudget.yaml:1: poll_intervall: unknown key (did you mean: poll_interval?)" in message
+    nested = error_of(tmp_path, MINIMAL.replace("        gpu: h100-sxm\n", "        gpu: h100-sxm\n        tensor_paralel: 2\n"))
+    assert "deployments[0].tensor_paralel" in nested and "tensor_parallel" in nested and ":5:" in nested
+
+
+def test_bad_model_or_gpu_fails_at_load_naming_the_key(tmp_path: Path) -> None:
+    message = error_of(tmp_path, MINIMAL.replace("h100-sxm", "h100-sxn"))
+    assert "stepbudget.yaml:4: deployments[0].gpu: unknown GPU preset 'h100-sxn'" in message
+    message = error_of(tmp_path, MINIMAL.replace("qwen3-8b", "qwen9-8b"))
+    assert "stepbudget.yaml:3: deployments[0].model:" in message
+
+
+@pytest.mark.parametrize("fragment, expected", [
+    ("poll_interval: soon\n", "poll_interval: cannot read 'soon' as a duration"),
+    ("poll_interval: 0s\n", "poll_interval: must be greater than zero"),
+    ("listen: localhost\n", "listen: listen: expected HOST:PORT"),
+    ("log_format: xml\n", "log_format: expected one of auto, json, console"),
+    ("defaults: {headroom: 1.5}\n", "defaults.headroom: must be a ratio in (0, 1]"),
+    ("alerting: {alertmanager_urls: [am:9093]}\n", "alerting.alertmanager_urls[0]: expected an http"),
+])
+def test_bad_values(tmp_path: Path, fragment: str, expected: str) -> None:
+    assert expected in error_of(tmp_path, fragment + textwrap.dedent(MINIMAL))
+
+
+def test_structural_errors(tmp_path: Path) -> None:
+    assert "missing required key 'deployments'" in error_of(tmp_path, "listen: :9421\n")
+    assert "deployments[0].targets: give at least one of static, dns, kubernetes" in error_of(tmp_path, MINIMAL.replace(
+        "        targets:\n          static: [http://10.0.0.5:8000/metrics]\n", "        targets: {}\n"))
+    assert "deployments[0].targets.static: the list is empty" in error_of(tmp_path, MINIMAL.replace(
+        "[http://10.0.0.5:8000/metrics]", "[]"))
+    assert "appears twice" in error_of(tmp_path, "listen: :1\nlisten: :2\n" + textwrap.dedent(MINIMAL))
+    assert "name 'chat' is used twice" in error_of(tmp_path, MINIMAL + MINIMAL.split("\n", 1)[1])
+    assert "not valid YAML" in error_of(tmp_path, "deployments: [\n")
+    assert "must hold a mapping" in error_of(tmp_path, "- a\n- b\n")
+
+
+def test_kubernetes_dns_auth_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    config = load_config(str(write(tmp_path, f"""\
+        deployments:
+          - name: chat
+            model: qwen3-8b
+            gpu: h100-sxm
+            targets:
+              dns: {{name: vllm.llm.svc.cluster.local, port: 8000}}
+              kubernetes: {{namespace: llm, label_selector: "app=vllm", port: 8000}}
+            auth: {{bearer_token_file: {token}}}
+            tls: {{ca_file: {ca}}}
+          - name: batch
+            model: qwen3-8b
+            gpu: h100-sxm
+            targets: {{static: [https://10.0.0.9/metrics]}}
+            auth: {{bearer_token_env: VLLM_TOKEN}}
+    """)))
+    chat, batch = config.deployments
+    assert chat.dns.name == "vllm.llm.svc.cluster.local" and chat.dns.path == "/metrics"
+    assert chat.kubernetes.label_selector == "app=vllm" and chat.kubernetes.kubeconfig is None
+    assert chat.auth.bearer_token() == "abc" and chat.tls.ca_file == str(ca)
+    monkeypatch.setenv("VLLM_TOKEN", "from-env")
+    assert batch.auth.bearer_token() == "from-env"
+    both = error_of(tmp_path, MINIMAL + f"        auth: {{bearer_token_file: {token}, bearer_token_env: X}}\n")
+    assert "deployments[0].auth: give at most one of" in both
+    missing = error_of(tmp_path, MINIMAL + "        auth: {bearer_token_file: /nonexistent/token}\n")
+    assert "deployments[0].auth.bearer_token_file: file '/nonexistent/token' does not exist" in missing
+
+
+def test_calibration_and_bandwidth_sources(tmp_path: Path) -> None:
+    calibration = tmp_path / "cal.json"
+    calibration.write_text('{"effective_bandwidth_bytes_per_second": 2.4e12, "step_overhead_seconds": 0.003}')
+    config = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {calibration}\n")))
+    resolved = config.deployments[0].resolved
+    assert resolved.bandwidth_source == "calibrated"
+    assert resolved.setup.effective_bandwidth_bytes_per_second == 2.4e12 and resolved.setup.step_overhead_seconds == 0.003
+    configured = load_config(str(write(tmp_path, MINIMAL + "        effective_bandwidth: 2TB\n        step_overhead: 2ms\n")))
+    resolved = configured.deployments[0].resolved
+    assert (resolved.bandwidth_source, resolved.setup.effective_bandwidth_bytes_per_second) == ("configured", 2e12)
+    assert resolved.setup.step_overhead_seconds == pytest.approx(0.002)
+    assert "not both" in error_of(tmp_path, MINIMAL + f"        calibration: {calibration}\n        effective_bandwidth: 2e12\n")
+    calibration.write_text('{"points": []}')
+    assert "not `stepbudget calibrate --json` output" in error_of(tmp_path, MINIMAL + f"        calibration: {calibration}\n")
+
+
+def test_model_keys_reach_the_setup(tmp_path: Path) -> None:
+    config = load_config(str(write(tmp_path, MINIMAL + """\
+        gpu_memory: 40GB
+        weight_dtype: fp8
+        kv_cache_dtype: fp8
+        gpu_memory_utilization: 0.8
+        tensor_parallel: 2
+        params: 8.0e9
+    """)))
+    setup = config.deployments[0].resolved.setup
+    assert (setup.gpu_memory_bytes, setup.weight_bytes_per_param, setup.kv_bytes_per_element) == (40e9, 1, 1)
+    assert (setup.gpu_memory_utilization, setup.tensor_parallel, setup.architecture.params) == (0.8, 2, 8.0e9)
+
+
+def test_extension_sections(tmp_path: Path) -> None:
+    """Other parts of the daemon add sections without editing config.py."""
+    register_section("sharding_test", {"index": Key(_string, "0", "this shard"), "of": Key(_string, "1", "shards")})
+    try:
+        config = load_config(str(write(tmp_path, "sharding_test: {index: '2', of: '3'}\n" + textwrap.dedent(MINIMAL))))
+        assert config.sections["sharding_test"] == {"index": "2", "of": "3"}
+        assert "sharding_test.whom: unknown key" in error_of(tmp_path, "sharding_test: {whom: x}\n" + textwrap.dedent(MINIMAL))
+        with pytest.raises(ValueError):
+            register_section("listen", {})
+    finally:
+        del TOP_LEVEL_KEYS["sharding_test"], _EXTRA_SECTIONS["sharding_test"]
+
+
+def parse_serve(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    return parser.parse_args(argv)
+
+
+def test_serve_flags_override_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "poll_interval: 30s\n" + textwrap.dedent(MINIMAL))
+    config = config_from_args(parse_serve(["--config", str(path), "--poll-interval", "2s", "--listen", "127.0.0.1:0",
+                                           "--timeout", "1s", "--stale-after", "10s", "--log-format", "json",
+                                           "--alertmanager-url", "http://127.0.0.1:9093", "--alert-for", "1m"]))
+    assert (config.poll_interval_seconds, config.listen, config.timeout_seconds, config.stale_after_seconds) == (2, "127.0.0.1:0", 1, 10)
+    assert config.log_format == "json"
+    assert config.alerting.alertmanager_urls == ("http://127.0.0.1:9093",) and config.alerting.for_seconds == 60
+    with pytest.raises(ConfigError, match="poll_interval: cannot read 'often'"):
+        config_from_args(parse_serve(["--config", str(path), "--poll-interval", "often"]))
+
+
+def test_serve_without_a_file(tmp_path: Path) -> None:
+    config = config_from_args(parse_serve(["--target", "http://127.0.0.1:8000/metrics", "--target", "http://127.0.0.1:8001/metrics",
+                                           "--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--target-tps", "30"]))
+    [deployment] = config.deployments
+    assert deployment.static_urls == ("http://127.0.0.1:8000/metrics", "http://127.0.0.1:8001/metrics")
+    assert (deployment.model, deployment.gpu, deployment.target_tokens_per_second) == ("llama-3.1-8b", "a100-80gb", 30)
+    with pytest.raises(Exception, match="--target needs --model and --gpu"):
+        config_from_args(parse_serve(["--target", "http://127.0.0.1:8000/metrics"]))
+    with pytest.raises(Exception, match="give --config FILE"):
+        config_from_args(parse_serve([]))
+
+
+def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write(tmp_path, MINIMAL)
+    assert cli.main(["check-config", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{good}: ok: 1 deployment(s) (chat), discovery static") and out.count("\n") == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(textwrap.dedent(MINIMAL).replace("h100-sxm", "h100"))
+    assert cli.main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "deployments[0].gpu" in err and "bad.yaml:4:" in err and err.count("\n") == 1
+    assert cli.main(["check-config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read the config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])
+def test_shipped_examples_are_valid(example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(example.parent.parent)  # examples name files relative to the repository
+    assert cli.main(["check-config", str(example)]) == 0, capsys.readouterr().err
+
+
+def test_there_are_examples_for_each_discovery_mode() -> None:
+    text = "\n".join(path.read_text() for path in EXAMPLES)
+    for mode in ("static:", "dns:", "kubernetes:"):
+        assert mode in text
