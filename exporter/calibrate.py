@@ -253,7 +253,8 @@ def calibration_to_json(resolved: ResolvedSetup, calibration: Calibration,
 def verdict_line(calibration: Calibration) -> str:
     count = len(calibration.points)
     if count == 1:
-        return "agreement: one point only, nothing to compare; measure a second context to check the model fits"
+        return (f"agreement: one point only (spread {calibration.spread_ratio:.1%}, within the "
+                f"{calibration.tolerance:.0%} tolerance by default); measure a second context to check the model fits")
     state = "within" if calibration.agrees else "OUTSIDE"
     return (f"agreement: the points' bandwidths spread {calibration.spread_ratio:.1%}, {state} "
             f"the {calibration.tolerance:.0%} tolerance")

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -87,7 +87,7 @@ def test_bad_itl_points_name_the_expected_form(capsys: pytest.CaptureFixture[str
 class Stub:
     """Streams `max_tokens` chunks, one per step of `step_seconds(context)`; records the requests."""
 
-    step_seconds: "callable[[int], float]" = lambda context: 0.0  # type: ignore[valid-type]
+    step_seconds: Callable[[int], float] = lambda context: 0.0
     model_name: str = "stub-model"
     requests: list[dict] = field(default_factory=list)
     hang: threading.Event | None = None  # set: the server answers; unset: it stalls before answering
