@@ -372,6 +372,9 @@ def write_plot(plan: Plan, path: str) -> None:
     axes.plot(xs, ys, label="predicted per-user speed")
     axes.axhline(plan.target_tokens_per_second, color="tab:red", linestyle="--",
                  label=f"target {plan.target_tokens_per_second:g} tok/s")
+    # The budget holds the target with headroom: it is where the curve crosses 1 / step budget.
+    axes.axhline(1 / plan.step_budget_seconds, color="tab:green", linestyle=":", linewidth=0.8,
+                 label=f"1 / step budget ({1 / plan.step_budget_seconds:,.1f} tok/s, headroom {plan.headroom:g})")
     axes.axvline(plan.token_budget_tokens, color="tab:green", linestyle=":",
                  label=f"token budget {plan.token_budget_tokens:,.0f}")
     axes.axvline(plan.kv_capacity_tokens, color="tab:gray", linestyle="-.",
