@@ -698,4 +698,38 @@ def api_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic)
     return AdmissionApi(book, read_token_file(raw["token_file"]))
 
 
+# --- the daemon: routes, poll listener, metrics ------------------------------------------------------
+
+
+def install(daemon: Any) -> None:
+    """Daemon extension hook: with `admission.enabled`, serve the API, reconcile at every poll and
+    export the admission metrics on the daemon's registry. Off by default: nothing is added."""
+    from exporter.server import Response
+
+    api = api_from_config(daemon.config)
+    if api is None:
+        return
+
+    def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Callable[[Any], Any]:
+        def handle(request: Any) -> Any:
+            answer = handler(request.headers, request.body)
+            return Response(answer.status, answer.encoded(), "application/json", dict(answer.headers))
+
+        return handle
+
+    daemon.server.register_route("POST", "/v1/admission", route(api.admission))
+    daemon.server.register_route("POST", "/v1/release", route(api.release))
+    daemon.poller.add_listener(lambda result: api.book.sync(*measurements_from_readings(result.readings)))
+    daemon.server.registry.register(AdmissionCollector(api.book))
+
+
 register_config_sections()
+
+
+def _register_with_daemon() -> None:
+    from exporter import daemon
+
+    daemon.register_extension(install)
+
+
+_register_with_daemon()

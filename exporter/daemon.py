@@ -162,6 +162,7 @@ def _load_optional_modules() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _load_optional_modules()  # before the config is read: they register its `admission`/`pools` sections
     config = config_from_args(args)
     configure_logging(config.log_format)
     stop = threading.Event()
@@ -176,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
         daemon = build_daemon(config)
     except OSError as error:
         raise InputError(f"listen {config.listen}: cannot serve there: {error.strerror or error}") from None
-    _load_optional_modules()
     for hook in _EXTENSIONS:
         hook(daemon)
     daemon.server.start()

@@ -76,6 +76,11 @@ class StepBudgetServer:
     def port(self) -> int:
         return int(self._httpd.server_address[1])
 
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The served registry, for extensions that add a collector (admission)."""
+        return self._registry
+
     def register_route(self, method: str, path: str, handler: Handler) -> None:
         """Add an endpoint, e.g. `register_route("POST", "/v1/admission", handle)`."""
         key = (method.upper(), path)

@@ -1,0 +1,164 @@
+"""The admission API on a running daemon, over real HTTP on 127.0.0.1, through the Python client.
+
+The daemon polls a simulated vLLM server (also on 127.0.0.1) once, so its admission book holds a
+real Reading's token budget; the client then admits, is refused, releases, and gets 400/401.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+import exporter.admission as admission
+from exporter import daemon as daemon_module
+from exporter import model
+from exporter.admission_client import (
+    AdmissionClient, AdmissionError, AdmissionRefused, AdmissionUnavailable,
+)
+from exporter.config import config_from_mapping
+from exporter.deployment import build_setup
+from exporter.presets import get_model_preset
+from exporter.simulator import ServerSpec, start_server
+
+TOKEN = "gateway-token-123"
+TIMEOUT_SECONDS = 5.0
+
+
+@dataclass
+class RunningDaemon:
+    url: str
+    daemon: daemon_module.Daemon
+    budget_tokens: float
+
+
+def chat_budget_tokens() -> float:
+    """Qwen3-8B on an H100 SXM at the default 50 tok/s and 0.9 headroom, by the capacity model."""
+    setup = build_setup(get_model_preset("qwen3-8b"), "h100-sxm").setup
+    return model.token_budget_tokens(setup, model.step_budget_seconds(50.0, 0.9))
+
+
+@pytest.fixture()
+def running(tmp_path: Path) -> Iterator[RunningDaemon]:
+    token_file = tmp_path / "admission-token"
+    token_file.write_text(TOKEN + "\n")
+    simulated = start_server("127.0.0.1", 0, None, 1.0, ServerSpec())
+    try:
+        config = config_from_mapping({
+            "listen": "127.0.0.1:0", "timeout": "5s",
+            "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                             "targets": {"static": [f"{simulated.url}/metrics"]}}],
+            "admission": {"enabled": True, "token_file": str(token_file)},
+        })
+        daemon = daemon_module.build_daemon(config)
+        try:
+            admission.install(daemon)
+            daemon.server.start()
+            daemon.poller.poll_once()
+            yield RunningDaemon(f"http://127.0.0.1:{daemon.server.port}", daemon, chat_budget_tokens())
+        finally:
+            daemon.server.stop()
+            daemon.poller.stop()
+            daemon.fetcher.close()
+    finally:
+        simulated.stop()
+
+
+def test_admit_refuse_release_over_http_with_the_client(running: RunningDaemon) -> None:
+    with AdmissionClient(running.url, TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
+        first = client.admit(100_000, 10_000, deployment="chat")
+        assert first.admitted and first.id and first.target and first.target.startswith("127.0.0.1:")
+        assert first.tokens == 110_000
+        # The simulated server is idle: nothing measured, so the budget minus this admission is left.
+        assert first.tokens_left == pytest.approx(running.budget_tokens - 110_000, abs=1.0)
+        prompt_over = int(first.tokens_left)  # with a one-token output: one token more than is left
+        refused = client.admit(prompt_over, 1, deployment="chat")
+        assert not refused.admitted and refused.decision == "refused"
+        assert refused.retry_after_seconds is not None and refused.retry_after_seconds >= 1
+        with pytest.raises(AdmissionRefused) as raised:
+            with client.admitted(prompt_over, 1, deployment="chat"):
+                pytest.fail("a refused request must not run the block")
+        assert raised.value.result.decision == "refused"
+        assert client.release(first.id) is True
+        assert client.release(first.id) is False
+        with client.admitted(prompt_over, 1, deployment="chat") as ticket:
+            assert ticket.admitted  # the release made room
+            assert running.daemon.server.registry.get_sample_value(
+                "stepbudget_admitted_tokens", {"deployment": "chat", "target": ticket.target}) == ticket.tokens
+        assert running.daemon.server.registry.get_sample_value(
+            "stepbudget_admitted_tokens", {"deployment": "chat", "target": ticket.target}) == 0
+
+
+def test_the_context_manager_releases_when_the_block_raises(running: RunningDaemon) -> None:
+    client = AdmissionClient(running.url, TOKEN, timeout_seconds=TIMEOUT_SECONDS)
+    with pytest.raises(RuntimeError, match="upstream failed"):
+        with client.admitted(1000, 100, deployment="chat") as ticket:
+            raise RuntimeError("upstream failed")
+    assert client.release(ticket.id or "") is False  # already released by the context manager
+    client.close()
+
+
+def test_decisions_appear_on_the_daemons_metrics_page(running: RunningDaemon) -> None:
+    client = AdmissionClient(running.url, TOKEN, timeout_seconds=TIMEOUT_SECONDS)
+    client.admit(10, 10, deployment="chat")
+    client.admit(10_000_000, 10, deployment="chat")
+    page = requests.get(f"{running.url}/metrics", timeout=TIMEOUT_SECONDS).text
+    assert 'stepbudget_admission_decisions_total{decision="admitted",deployment="chat"} 1.0' in page
+    assert 'stepbudget_admission_decisions_total{decision="refused",deployment="chat"} 1.0' in page
+    assert 'stepbudget_admission_decisions_total{decision="redirected",deployment="chat"} 0.0' in page
+    client.close()
+
+
+def test_a_wrong_token_is_401_and_a_bad_body_is_400_with_the_message(running: RunningDaemon) -> None:
+    with pytest.raises(AdmissionError) as wrong:
+        AdmissionClient(running.url, "not-the-token", timeout_seconds=TIMEOUT_SECONDS).admit(10, 10, deployment="chat")
+    assert wrong.value.status == 401 and "bearer token" in wrong.value.message
+    client = AdmissionClient(running.url, TOKEN, timeout_seconds=TIMEOUT_SECONDS)
+    with pytest.raises(AdmissionError) as unknown:
+        client.admit(10, 10, deployment="chta")
+    assert unknown.value.status == 400 and "unknown deployment 'chta'" in unknown.value.message
+    with pytest.raises(AdmissionError) as negative:
+        client.admit(-1, 10, deployment="chat")
+    assert negative.value.status == 400 and "'prompt_tokens' must be at least 1" in negative.value.message
+    raw = requests.post(f"{running.url}/v1/admission", data=b"{oops", timeout=TIMEOUT_SECONDS,
+                        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]
+    assert raw.headers["Content-Type"] == "application/json"
+    client.close()
+
+
+def test_an_unreachable_daemon_raises_unavailable_within_the_timeout() -> None:
+    import socket
+
+    with socket.socket() as placeholder:  # a port that was free a moment ago: nothing listens there
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    client = AdmissionClient(f"http://127.0.0.1:{port}", TOKEN, timeout_seconds=0.5)
+    with pytest.raises(AdmissionUnavailable):
+        client.admit(10, 10, deployment="chat")
+    client.close()
+
+
+def test_admission_is_off_by_default_and_its_routes_are_absent(tmp_path: Path) -> None:
+    config = config_from_mapping({
+        "listen": "127.0.0.1:0",
+        "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                         "targets": {"static": ["http://127.0.0.1:9/metrics"]}}],
+    })
+    daemon = daemon_module.build_daemon(config)
+    try:
+        admission.install(daemon)
+        daemon.server.start()
+        answer = requests.post(f"http://127.0.0.1:{daemon.server.port}/v1/admission", timeout=TIMEOUT_SECONDS,
+                               data=json.dumps({"deployment": "chat", "prompt_tokens": 1, "max_output_tokens": 1}))
+        assert answer.status_code == 404
+        assert daemon.server.registry.get_sample_value(
+            "stepbudget_admission_decisions_total", {"deployment": "chat", "decision": "admitted"}) is None
+    finally:
+        daemon.server.stop()
+        daemon.poller.stop()
+        daemon.fetcher.close()
