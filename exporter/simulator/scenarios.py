@@ -80,8 +80,9 @@ class Scenario:
 
 
 def _chats(users: int = 40, name: str = "chat") -> ClosedLoopGroup:
-    # ~2,000 tokens of context per chat at the end: ~1,500-token prompt + ~500 generated tokens.
-    return ClosedLoopGroup(name, users, TokenCount(1500, 0.2), TokenCount(500, 0.2), ramp_seconds=10.0)
+    # ~1,500-token prompts and ~1,000-token answers (Qwen3 thinks before it answers): each chat's
+    # context grows from ~1,500 to ~2,500 tokens, ~2,000 on average (DESIGN §1's "40 chats x 2,000").
+    return ClosedLoopGroup(name, users, TokenCount(1500, 0.2), TokenCount(1000, 0.2), ramp_seconds=10.0)
 
 
 AGENTS_JOIN_SECONDS = 120.0
@@ -92,7 +93,7 @@ def builtin_scenarios() -> dict[str, Scenario]:
     return {
         "idle": Scenario("idle", "no background load: only requests sent to /v1/completions (for calibration)", ()),
         "steady-chat": Scenario(
-            "steady-chat", "40 chat users, ~1,500-token prompts and ~500-token answers, back to back",
+            "steady-chat", "40 chat users, ~1,500-token prompts and ~1,000-token answers, back to back",
             (_chats(),), ((0.0, "40 chat users start over the first 10 s"),)),
         "agents-join": Scenario(
             "agents-join",
