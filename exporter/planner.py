@@ -279,6 +279,7 @@ def plan_to_json(plan: Plan) -> dict[str, object]:
         "kv_cache_bytes": plan.kv_cache_bytes,
         "kv_capacity_tokens": plan.kv_capacity_tokens,
         "kv_capacity_note": CAPACITY_NOTE,
+        "weights_fit": weights_fit(plan),
         "effective_bandwidth_bytes_per_second": setup.effective_bandwidth_bytes_per_second,
         "bandwidth_source": plan.resolved.bandwidth_source,
         "effective_compute_flops_per_second": setup.effective_compute_flops_per_second,
@@ -310,6 +311,11 @@ def plan_to_json(plan: Plan) -> dict[str, object]:
     return out
 
 
+def weights_fit(plan: Plan) -> bool:
+    setup = plan.setup
+    return plan.weight_bytes + setup.reserved_memory_bytes < setup.gpu_memory_bytes * setup.gpu_memory_utilization
+
+
 def _gb(value: float) -> str:
     return f"{value / 1e9:,.2f} GB ({value / 2**30:,.2f} GiB)"
 
@@ -322,6 +328,8 @@ def format_plan(plan: Plan) -> str:
         ("weights per GPU", _gb(plan.weight_bytes)),
         ("KV cache memory", _gb(plan.kv_cache_bytes)),
         ("KV capacity", f"{plan.kv_capacity_tokens:,} tokens (upper bound: no activations/CUDA graphs unless --reserved-memory)"),
+        *([] if weights_fit(plan) else [("WARNING", "the weights do not fit in the usable GPU memory: raise --tp, "
+                                                     "use a smaller --weight-dtype or a larger GPU")]),
         ("effective bandwidth", f"{setup.effective_bandwidth_bytes_per_second / 1e12:,.3f} TB/s ({plan.resolved.bandwidth_source})"),
         ("one user alone", f"{plan.single_user_tokens_per_second:,.1f} tok/s"),
         ("step budget", f"{plan.step_budget_seconds * 1e3:,.2f} ms ({plan.target_tokens_per_second:g} tok/s per user, headroom {plan.headroom:g})"),

@@ -162,3 +162,12 @@ def test_bad_sizes_and_values_name_the_flag(capsys: pytest.CaptureFixture[str], 
 def test_load_in_the_wrong_form_says_the_expected_form(capsys: pytest.CaptureFixture[str]) -> None:
     err = bad_input(capsys, "plan", "--load", "40*2000")
     assert "--load '40*2000'" in err and "COUNTxTOKENS" in err
+
+
+def test_weights_that_do_not_fit_are_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--model", "deepseek-v3")  # 671e9 x 2 bytes on one 80 GB GPU
+    assert out["weights_fit"] is False and out["kv_capacity_tokens"] == 0
+    assert plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--weight-dtype", "fp8")["weights_fit"]
+    assert main(["plan", "--model", "deepseek-v3"]) == 0
+    assert "weights do not fit" in capsys.readouterr().out
+
