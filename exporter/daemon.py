@@ -149,7 +149,9 @@ def _target_rows(poller: Poller) -> list[TargetRow]:
     for state in poller.target_states():
         readings = [r for r in state.readings if r.target_up]
         detail = state.last_error or ", ".join(
-            f"{r.model_name}/{r.engine}: {r.tokens_in_flight or 0:,.0f} tokens in flight" for r in readings)
+            f"{r.model_name}/{r.engine}: " + (f"{r.tokens_in_flight:,.0f} tokens in flight" if r.tokens_in_flight is not None
+                                              else "tokens in flight unknown")
+            for r in readings)
         rows.append(TargetRow(state.target.deployment, state.target.target, state.kind,
                               state.last_error is None and state.last_success_seconds is not None, detail))
     return rows

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import IO
+import time
+from typing import IO, Callable
 
 import structlog
 
@@ -21,6 +22,33 @@ _SHARED_PROCESSORS: list[structlog.types.Processor] = [
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),
 ]
+
+
+class EveryMinuteAtMost(logging.Filter):
+    """Passes a record containing `marker` at most once per `period_seconds`, saying how many were held.
+
+    apscheduler warns at every skipped run while a poll overruns its interval (at 1 s intervals,
+    once a second): the first line says it, the rest would bury everything else.
+    """
+
+    def __init__(self, marker: str, period_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._marker, self._period, self._clock = marker, period_seconds, clock
+        self._last: float | None = None
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self._marker not in record.getMessage():
+            return True
+        now = self._clock()
+        if self._last is not None and now - self._last < self._period:
+            self._held += 1
+            return False
+        if self._held:
+            record.msg = f"{record.getMessage()} (and {self._held} more like it in the last {self._period:g}s)"
+            record.args = None
+        self._last, self._held = now, 0
+        return True
 
 
 def use_json(log_format: str, stream: IO[str]) -> bool:
@@ -51,6 +79,10 @@ def configure_logging(log_format: str = "auto", *, level: int = logging.INFO, st
     # apscheduler logs every run at INFO ("Running job ...", "executed successfully"): noise at
     # a 15 s interval. WARNING keeps "maximum number of running instances reached" (a slow poll).
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    scheduler_log = logging.getLogger("apscheduler.scheduler")
+    for old_filter in [f for f in scheduler_log.filters if isinstance(f, EveryMinuteAtMost)]:
+        scheduler_log.removeFilter(old_filter)
+    scheduler_log.addFilter(EveryMinuteAtMost("maximum number of running instances reached"))
     logging.getLogger("urllib3").setLevel(logging.WARNING)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)

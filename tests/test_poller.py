@@ -319,3 +319,44 @@ def test_scheduler_runs_the_poll_and_stops(page_server: PageServer, make_poller:
         assert poller.ready
     finally:
         poller.stop()
+
+
+# --- logs ------------------------------------------------------------------------------------------------
+
+
+def test_logs_are_json_lines_with_stdlib_loggers_bridged_and_scheduler_overruns_thinned() -> None:
+    import io
+    import json
+    import logging
+
+    from exporter.logs import EveryMinuteAtMost, configure_logging
+
+    stream = io.StringIO()
+    configure_logging("json", stream=stream)
+    try:
+        structlog.get_logger("stepbudget.test").warning("target_down", target="10.0.0.5:8000", reason="HTTP 500")
+        logging.getLogger("urllib3.connectionpool").warning("Connection pool is full")
+        logging.getLogger("apscheduler.executors.default").info("Running job poll")  # noise: dropped
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    finally:
+        logging.getLogger().handlers.clear()
+    assert lines[0]["event"] == "target_down" and lines[0]["target"] == "10.0.0.5:8000" and lines[0]["level"] == "warning"
+    assert lines[1]["event"] == "Connection pool is full" and lines[1]["logger"] == "urllib3.connectionpool"
+    assert len(lines) == 2
+
+    clock = ManualClock()
+    thinning = EveryMinuteAtMost("maximum number of running instances reached", clock=clock)
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("apscheduler.scheduler", logging.WARNING, __file__, 1, message, None, None)
+
+    overrun = "Execution of job skipped: maximum number of running instances reached (1)"
+    passed = []
+    for _ in range(30):  # one overrun warning a second for 30 s, then 31 s later another
+        passed.append(thinning.filter(record(overrun)))
+        clock.advance(1)
+    clock.advance(31)
+    last = record(overrun)
+    assert passed.count(True) == 1 and thinning.filter(last)
+    assert "(and 29 more like it in the last 60s)" in last.getMessage()
+    assert thinning.filter(record("something else")) and thinning.filter(record("something else"))
