@@ -59,6 +59,7 @@ chart-sync:
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/accuracy.py
+	$(BIN)/python benchmarks/plan_latency.py
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .hypothesis build *.egg-info

@@ -24,7 +24,7 @@ Conversions and assumptions (also written into the results):
   * Rows whose requests did not all fit in the KV cache (LMDeploy marks them) queue, so a static-batch
     model does not apply: they are listed and excluded. Databricks' OOM rows have no number.
 
-    .venv/bin/python benchmarks/accuracy.py [--data-dir ../shared/reference/validation]
+    .venv/bin/python benchmarks/accuracy.py [--data-dir benchmarks/data/validation]
 
 Writes benchmarks/results/accuracy.md and accuracy.json.
 """
@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from exporter import model  # noqa: E402
 from exporter.model import Architecture, CalibrationPoint, RequestGroup, ServingSetup  # noqa: E402
 
-DATA_DIR = REPO.parent / "shared" / "reference" / "validation"
+DATA_DIR = REPO / "benchmarks" / "data" / "validation"  # vendored from shared/reference/validation
 RESULTS = REPO / "benchmarks" / "results"
 DATABRICKS_TABLE = "databricks_blog_table2_mpt7b_static_batch_throughput.csv"
 LMDEPLOY_TABLE = "lmdeploy_turbomind_a100_static_inference.csv"

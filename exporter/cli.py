@@ -64,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `stepbudget plan --json | head`: the reader left; say nothing more and exit quietly.
+        sys.stderr.close()
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":
