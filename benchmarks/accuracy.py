@@ -241,7 +241,7 @@ def run(data_dir: Path) -> tuple[list[Prediction], list[ErrorSummary], list[Row]
 def write(predictions: list[Prediction], summaries: list[ErrorSummary], excluded: list[Row], data_dir: Path) -> str:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "accuracy.json").write_text(json.dumps({
-        "data_dir": str(data_dir.relative_to(REPO.parent)) if data_dir.is_relative_to(REPO.parent) else str(data_dir),
+        "data_dir": str(data_dir.relative_to(REPO)) if data_dir.is_relative_to(REPO) else str(data_dir),
         "summaries": [asdict(s) for s in summaries],
         "predictions": [{**asdict(p), "per_token_error_ratio": p.per_token_error_ratio,
                          "throughput_error_ratio": p.throughput_error_ratio} for p in predictions],
