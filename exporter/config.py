@@ -371,7 +371,7 @@ DEPLOYMENT_KEYS: Table = {
 }
 ALERTING_KEYS: Table = {
     "alertmanager_urls": Key(_url_list, [], "Alertmanager base URLs; empty: the in-process alert loop is off"),
-    "for": Key(_duration, None, "overrides every alert's `for` (default: each rule's own, 5m for the page)"),
+    "for": Key(_duration, None, "overrides the page's `for` (StepBudgetPredictedStepOverBudget, 5m in the rules)"),
     "timeout": Key(_duration, 5.0, "timeout of each POST to Alertmanager"),
     "generator_url": Key(_url, None, "link put in each alert (default: this daemon's `/`)"),
 }

@@ -253,3 +253,13 @@ def test_there_are_examples_for_each_discovery_mode() -> None:
     text = "\n".join(path.read_text() for path in EXAMPLES)
     for mode in ("static:", "dns:", "kubernetes:"):
         assert mode in text
+
+
+def test_every_config_key_is_documented() -> None:
+    from exporter import config
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    tables = [config.TOP_LEVEL_KEYS, config.DEFAULTS_KEYS, config.DEPLOYMENT_KEYS, config.TARGETS_KEYS,
+              config.DNS_KEYS, config.KUBERNETES_KEYS, config.AUTH_KEYS, config.TLS_KEYS, config.ALERTING_KEYS]
+    missing = sorted({name for table in tables for name in table if f"`{name}`" not in doc})
+    assert not missing, f"keys missing from docs/operations.md: {missing}"
