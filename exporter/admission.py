@@ -701,14 +701,15 @@ def api_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic)
 # --- the daemon: routes, poll listener, metrics ------------------------------------------------------
 
 
-def install(daemon: Any) -> None:
+def install(daemon: Any) -> AdmissionApi | None:
     """Daemon extension hook: with `admission.enabled`, serve the API, reconcile at every poll and
-    export the admission metrics on the daemon's registry. Off by default: nothing is added."""
+    export the admission metrics on the daemon's registry. Off by default: nothing is added.
+    Returns the installed API (its `book` is the live state), for tests and embedders."""
     from exporter.server import Response
 
     api = api_from_config(daemon.config)
     if api is None:
-        return
+        return None
 
     def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Callable[[Any], Any]:
         def handle(request: Any) -> Any:
@@ -721,6 +722,7 @@ def install(daemon: Any) -> None:
     daemon.server.register_route("POST", "/v1/release", route(api.release))
     daemon.poller.add_listener(lambda result: api.book.sync(*measurements_from_readings(result.readings)))
     daemon.server.registry.register(AdmissionCollector(api.book))
+    return api
 
 
 register_config_sections()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -24,14 +23,8 @@ from exporter.admission import (
     measurements_from_readings,
 )
 from exporter.errors import InputError
+from tests.conftest import ManualClock
 
-
-@dataclass
-class ManualClock:
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 CHAT_TPS = 50.0

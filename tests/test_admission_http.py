@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ TIMEOUT_SECONDS = 5.0
 class RunningDaemon:
     url: str
     daemon: daemon_module.Daemon
-    budget_tokens: float
+    api: admission.AdmissionApi
 
 
 def chat_budget_tokens() -> float:
@@ -42,11 +43,13 @@ def chat_budget_tokens() -> float:
     return model.token_budget_tokens(setup, model.step_budget_seconds(50.0, 0.9))
 
 
-@pytest.fixture()
-def running(tmp_path: Path) -> Iterator[RunningDaemon]:
+@contextmanager
+def daemon_with_admission(tmp_path: Path, token: str, simulator_speed: float = 1.0) -> Iterator[RunningDaemon]:
+    """A daemon on 127.0.0.1 with admission on, after one poll of an idle simulated vLLM server
+    (also on 127.0.0.1); everything it started is stopped on exit."""
     token_file = tmp_path / "admission-token"
-    token_file.write_text(TOKEN + "\n")
-    simulated = start_server("127.0.0.1", 0, None, 1.0, ServerSpec())
+    token_file.write_text(token + "\n")
+    simulated = start_server("127.0.0.1", 0, None, simulator_speed, ServerSpec())
     try:
         config = config_from_mapping({
             "listen": "127.0.0.1:0", "timeout": "5s",
@@ -56,10 +59,11 @@ def running(tmp_path: Path) -> Iterator[RunningDaemon]:
         })
         daemon = daemon_module.build_daemon(config)
         try:
-            admission.install(daemon)
+            api = admission.install(daemon)
+            assert api is not None
             daemon.server.start()
             daemon.poller.poll_once()
-            yield RunningDaemon(f"http://127.0.0.1:{daemon.server.port}", daemon, chat_budget_tokens())
+            yield RunningDaemon(f"http://127.0.0.1:{daemon.server.port}", daemon, api)
         finally:
             daemon.server.stop()
             daemon.poller.stop()
@@ -68,13 +72,19 @@ def running(tmp_path: Path) -> Iterator[RunningDaemon]:
         simulated.stop()
 
 
+@pytest.fixture()
+def running(tmp_path: Path) -> Iterator[RunningDaemon]:
+    with daemon_with_admission(tmp_path, TOKEN) as daemon:
+        yield daemon
+
+
 def test_admit_refuse_release_over_http_with_the_client(running: RunningDaemon) -> None:
     with AdmissionClient(running.url, TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
         first = client.admit(100_000, 10_000, deployment="chat")
         assert first.admitted and first.id and first.target and first.target.startswith("127.0.0.1:")
         assert first.tokens == 110_000
         # The simulated server is idle: nothing measured, so the budget minus this admission is left.
-        assert first.tokens_left == pytest.approx(running.budget_tokens - 110_000, abs=1.0)
+        assert first.tokens_left == pytest.approx(chat_budget_tokens() - 110_000, abs=1.0)
         prompt_over = int(first.tokens_left)  # with a one-token output: one token more than is left
         refused = client.admit(prompt_over, 1, deployment="chat")
         assert not refused.admitted and refused.decision == "refused"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import settings
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from exporter.admission import Admission, AdmissionBook, AdmissionRequest, DeploymentPolicy
+from tests.conftest import ManualClock
 
 TARGETS = ("a:8000", "b:8000")
 TPS = 50.0
@@ -29,20 +29,13 @@ FACTOR = 2.0
 SETTLE_SECONDS = 3.0
 
 
-@dataclass
-class ManualClock:
-    now: float = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 class AdmissionMachine(RuleBasedStateMachine):
     admissions = Bundle("admissions")
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = ManualClock()
+        self.clock = ManualClock(0.0)
         self.book = AdmissionBook([DeploymentPolicy("chat", TPS)], clock=self.clock, settle_seconds=SETTLE_SECONDS,
                                   lease_floor_seconds=FLOOR_SECONDS, lease_output_factor=FACTOR)
         self.budget = {target: 20_000.0 for target in TARGETS}
@@ -119,7 +112,7 @@ TestAdmissionMachine = AdmissionMachine.TestCase
 
 def test_threads_admitting_and_releasing_never_overbook_and_leave_nothing_behind() -> None:
     budget, threads_count, rounds = 50_000.0, 8, 400
-    book = AdmissionBook([DeploymentPolicy("chat", TPS)], clock=ManualClock())
+    book = AdmissionBook([DeploymentPolicy("chat", TPS)], clock=ManualClock(0.0))
     book.reconcile("chat", "a:8000", budget, 0.0)
     start = threading.Barrier(threads_count)
     held_by_thread: list[list[Admission]] = [[] for _ in range(threads_count)]
