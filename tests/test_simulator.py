@@ -240,3 +240,13 @@ def test_simulate_serves_until_sigterm() -> None:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_simulator_physics_is_written_apart_from_the_model() -> None:
+    """Agreement between prediction and simulation is only a test if they share no code (DESIGN §5)."""
+    package = Path(__file__).parent.parent / "exporter" / "simulator"
+    for source in package.glob("*.py"):
+        text = source.read_text()
+        for forbidden in ("exporter.model", "exporter.deployment", "from exporter import model",
+                          "from exporter import deployment"):
+            assert forbidden not in text, f"{source.name} imports {forbidden}"
