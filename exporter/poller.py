@@ -13,6 +13,9 @@ last good values only until `stale_after`.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import itertools
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,9 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import requests
 import structlog
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from exporter import __version__
 from exporter.config import Config, Deployment, Tls
@@ -45,6 +51,114 @@ class Fetch(Protocol):
     def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str: ...
 
 
+# --- the overall deadline -------------------------------------------------------------------------
+#
+# requests' timeouts are per socket operation: a server that trickles one byte per second never
+# trips them, in the headers or in the body. Two guards make the deadline hold:
+#  - the body is read one recv at a time with the (injectable) clock checked between reads;
+#  - a watchdog thread shuts down the sockets of a fetch still running at its deadline, which
+#    unblocks a recv stuck anywhere (TLS handshake, status line, headers, body).
+# The fetch's sockets are known through urllib3 connection classes that report them.
+
+_fetch_sockets = threading.local()  # .sockets: the list the current thread's fetch collects into
+
+
+def _track(sock: socket.socket | None) -> None:
+    collected = getattr(_fetch_sockets, "sockets", None)
+    if sock is not None and collected is not None and sock not in collected:
+        collected.append(sock)
+
+
+class _TrackedHTTPConnection(HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        _track(self.sock)
+
+    def request(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        _track(self.sock)  # a reused keep-alive connection is not connected again
+        super().request(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class _TrackedHTTPSConnection(HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        _track(self.sock)
+
+    def request(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        _track(self.sock)
+        super().request(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class _TrackedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class _TrackedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
+
+
+class _TrackingAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        super().init_poolmanager(*args, **kwargs)  # type: ignore[arg-type]
+        self.poolmanager.pool_classes_by_scheme = {"http": _TrackedHTTPPool, "https": _TrackedHTTPSPool}
+
+
+@dataclass
+class _Armed:
+    deadline: float
+    sockets: list[socket.socket]
+    fired: bool = False
+    done: bool = False
+
+
+class _Watchdog:
+    """One thread for all fetches: at a fetch's deadline, shut its sockets down."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._heap: list[tuple[float, int, _Armed]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, timeout_seconds: float) -> _Armed:
+        armed = _Armed(time.monotonic() + timeout_seconds, [])
+        with self._condition:
+            heapq.heappush(self._heap, (armed.deadline, next(self._order), armed))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stepbudget-fetch-watchdog", daemon=True)
+                self._thread.start()
+            self._condition.notify()
+        return armed
+
+    def disarm(self, armed: _Armed) -> None:
+        with self._condition:
+            armed.done = True  # left in the heap; dropped when its deadline comes
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._heap:
+                    self._condition.wait()
+                deadline, _, armed = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._condition.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                if armed.done:
+                    continue
+                armed.fired = True
+                sockets = list(armed.sockets)
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
+
+
+_WATCHDOG = _Watchdog()
+
+
 class HttpFetcher:
     """GET with one shared Session (connection reuse), timeouts, an overall deadline and a size cap."""
 
@@ -54,6 +168,10 @@ class HttpFetcher:
         self.max_response_bytes = max_response_bytes
         self._clock = clock
         self._session = session or requests.Session()
+        # One pool per host:port (a fleet has hundreds), each as deep as the fetch pool.
+        adapter = _TrackingAdapter(pool_connections=1024, pool_maxsize=MAX_FETCH_WORKERS)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
         self._session.headers["User-Agent"] = f"stepbudget/{__version__}"
         # Ask for the text format: some servers answer OpenMetrics or protobuf on content negotiation.
         self._session.headers["Accept"] = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
@@ -62,6 +180,22 @@ class HttpFetcher:
         self._session.close()
 
     def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        armed = _WATCHDOG.arm(self.timeout_seconds)
+        _fetch_sockets.sockets = armed.sockets
+        try:
+            text = self._fetch(url, bearer_token, tls)
+        except FetchError:
+            if armed.fired:
+                raise FetchError(f"timed out after {self.timeout_seconds:g}s") from None
+            raise
+        finally:
+            _WATCHDOG.disarm(armed)
+            _fetch_sockets.sockets = None
+        if armed.fired:  # a body cut short by the watchdog can read as a clean end: never use it
+            raise FetchError(f"timed out after {self.timeout_seconds:g}s")
+        return text
+
+    def _fetch(self, url: str, bearer_token: str | None, tls: Tls) -> str:
         deadline = self._clock() + self.timeout_seconds
         headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
         verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
@@ -93,7 +227,6 @@ class HttpFetcher:
             remaining = deadline - self._clock()
             if remaining <= 0:
                 raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body")
-            _limit_socket_wait(raw, remaining)
             try:
                 # read1: return what one recv gives, so the deadline is checked between trickled bytes.
                 chunk = raw.read1(CHUNK_BYTES, decode_content=True)
@@ -107,17 +240,6 @@ class HttpFetcher:
             if size > self.max_response_bytes:
                 raise FetchError(f"response over {self.max_response_bytes} bytes")
             chunks.append(chunk)
-
-
-def _limit_socket_wait(raw: object, remaining_seconds: float) -> None:
-    """Make the next recv wait no longer than the time left (urllib3 keeps the read timeout otherwise)."""
-    connection = getattr(raw, "_connection", None) or getattr(raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    if sock is not None:
-        try:
-            sock.settimeout(max(0.001, remaining_seconds))
-        except OSError:
-            pass
 
 
 def _short(error: BaseException) -> str:

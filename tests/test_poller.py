@@ -360,3 +360,33 @@ def test_logs_are_json_lines_with_stdlib_loggers_bridged_and_scheduler_overruns_
     assert passed.count(True) == 1 and thinning.filter(last)
     assert "(and 29 more like it in the last 60s)" in last.getMessage()
     assert thinning.filter(record("something else")) and thinning.filter(record("something else"))
+
+
+@pytest.mark.parametrize("stage", ["headers", "body"])
+def test_trickling_server_is_cut_at_the_real_deadline(page_server: PageServer, stage: str) -> None:
+    """Real clock this time: a server trickling its headers (no per-read timeout ever trips, and the
+    body loop never starts) or its body is cut by the fetch watchdog at the deadline. Without it
+    this fetch would run until the server stops, then succeed."""
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def trickle(handler: BaseHTTPRequestHandler) -> None:
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        if stage == "body":
+            handler.wfile.write(b"Content-Type: text/plain\r\nContent-Length: 400\r\n\r\n")
+        for _ in range(400):  # 20 s at most
+            if stop.wait(0.05):
+                return
+            handler.wfile.write(b"X" if stage == "headers" else b"#")
+            handler.wfile.flush()
+            sent.append(1)
+
+    page_server.respond = trickle
+    fetcher = HttpFetcher(0.3, 1 << 20)
+    try:
+        with pytest.raises(FetchError, match=r"timed out after 0.3s"):
+            fetcher(page_server.url, bearer_token=None, tls=Tls())
+        assert len(sent) < 400, "the fetch ended only because the server stopped"
+    finally:
+        stop.set()
+        fetcher.close()
