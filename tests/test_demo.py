@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+from exporter.demo import free_port_from
 from exporter.simulator import AGENTS_JOIN_SECONDS
 
 SPEED = 20.0  # the agents join 6 s of wall time after the pools start
@@ -46,3 +47,13 @@ def test_demo_bad_duration_is_bad_input() -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "--duration: cannot read 'soon' as a duration" in result.stderr
+
+
+def test_a_busy_daemon_port_moves_to_the_next_free_one() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = int(busy.getsockname()[1])
+        chosen = free_port_from(port)
+        assert chosen != port and port < chosen < port + 50
+    assert free_port_from(port) == port  # free again once its listener is gone
