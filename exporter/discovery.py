@@ -8,9 +8,9 @@ readings from the export.
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
@@ -61,20 +61,35 @@ def _host_port_url(scheme: str, host: str, port: int, path: str) -> str:
 
 # --- DNS ---------------------------------------------------------------------------------------
 
-# getaddrinfo has no timeout and blocks in C; run it on a small pool of daemon-ish workers and stop
-# waiting after the deadline. A stuck lookup keeps its worker, the pool stays bounded.
-_DNS_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="stepbudget-dns")
+# getaddrinfo has no timeout and blocks in C: each lookup runs on its own daemon thread (so a stuck
+# one never delays exit) and the caller stops waiting at the deadline. At most DNS_WORKERS lookups
+# may be stuck at once; past that, lookups fail at once instead of piling up threads.
+DNS_WORKERS = 4
+_DNS_SLOTS = threading.BoundedSemaphore(DNS_WORKERS)
 
 
 def resolve_addresses(name: str, port: int, timeout_seconds: float, resolver: Resolver = socket.getaddrinfo) -> list[str]:
     """Every distinct IP `name` resolves to (a headless Service gives one per ready pod), sorted."""
-    future = _DNS_POOL.submit(resolver, name, port, 0, socket.SOCK_STREAM)
-    try:
-        infos = future.result(timeout=timeout_seconds)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"DNS lookup of {name!r} took longer than {timeout_seconds:g}s") from None
-    return sorted({str(info[4][0]) for info in infos})
+    if not _DNS_SLOTS.acquire(timeout=timeout_seconds):
+        raise TimeoutError(f"DNS lookup of {name!r}: all {DNS_WORKERS} resolver workers are stuck")
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            outcome["infos"] = resolver(name, port, 0, socket.SOCK_STREAM)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+        finally:
+            _DNS_SLOTS.release()
+            done.set()
+
+    threading.Thread(target=lookup, name="stepbudget-dns", daemon=True).start()
+    if not done.wait(timeout_seconds):
+        raise TimeoutError(f"DNS lookup of {name!r} took longer than {timeout_seconds:g}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return sorted({str(info[4][0]) for info in outcome["infos"]})
 
 
 # --- Kubernetes --------------------------------------------------------------------------------
@@ -172,6 +187,7 @@ class Discovery:
         self._clients: dict[str | None, Any] = {}
         # Last good answer per (deployment, source), kept when a lookup fails.
         self._last: dict[tuple[str, str], list[Target]] = {}
+        self._last_error: dict[tuple[str, str], str] = {}
 
     def discover(self) -> list[Target]:
         targets: list[Target] = []
@@ -192,9 +208,15 @@ class Discovery:
             found = lookup()
         except Exception as error:  # noqa: BLE001 - any discovery failure keeps the last good list
             kept = self._last.get(key, [])
-            log.warning("discovery_failed", deployment=deployment.name, source=source,
-                        reason=f"{type(error).__name__}: {error}", kept_targets=len(kept))
+            reason = f"{type(error).__name__}: {error}"[:300]
+            if self._last_error.get(key) != reason:  # once per change, not once per poll
+                log.warning("discovery_failed", deployment=deployment.name, source=source, reason=reason,
+                            kept_targets=len(kept))
+            self._last_error[key] = reason
             return kept
+        if key in self._last_error:
+            log.info("discovery_recovered", deployment=deployment.name, source=source)
+            del self._last_error[key]
         if [t.url for t in found] != [t.url for t in self._last.get(key, [])]:
             log.info("discovery_changed", deployment=deployment.name, source=source,
                      targets=[t.target for t in found])

@@ -90,12 +90,17 @@ def test_dns_resolution_is_bounded_in_time_and_a_failure_keeps_the_last_list() -
     assert line["source"] == "dns" and "longer than 0.2s" in line["reason"] and line["kept_targets"] == 1
 
 
-def test_dns_name_that_does_not_resolve_is_logged() -> None:
-    discovery = Discovery(deployments({"dns": {"name": "nope.invalid", "port": 8000}}), timeout_seconds=1,
-                          resolver=fake_resolver({}))
+def test_dns_name_that_does_not_resolve_is_logged_once_and_its_recovery_too() -> None:
+    answers: dict[str, list[str]] = {}
+    discovery = Discovery(deployments({"dns": {"name": "vllm.llm.svc", "port": 8000}}), timeout_seconds=1,
+                          resolver=fake_resolver(answers))
     with capture_logs() as logs:
-        assert discovery.discover() == []
-    assert "Name or service not known" in next(line for line in logs if line["event"] == "discovery_failed")["reason"]
+        assert discovery.discover() == [] and discovery.discover() == []
+        answers["vllm.llm.svc"] = ["10.0.0.5"]
+        assert [t.target for t in discovery.discover()] == ["10.0.0.5:8000"]
+    events = [line["event"] for line in logs]
+    assert events == ["discovery_failed", "discovery_recovered", "discovery_changed"]
+    assert "Name or service not known" in logs[0]["reason"]
 
 
 def test_real_resolver_on_localhost() -> None:
