@@ -195,3 +195,52 @@ def test_each_engine_kind_flows_through(page_server: PageServer, clock: ManualCl
             assert direct == [snapshot.tokens_in_flight]
     for name, rows in samples.items():
         assert all(math.isfinite(value) for _, value in rows), name
+
+
+# --- the HTTP server that serves the collector -------------------------------------------------------------
+
+
+def test_server_endpoints_readiness_and_route_table(page_server: PageServer, clock: ManualClock,
+                                                    make_poller: MakePoller) -> None:
+    import requests
+
+    from exporter.server import Response, StepBudgetServer, TargetRow
+
+    config = make_config([page_server.url])
+    poller = make_poller(config, clock)
+    page_server.serve_text(vllm_page(VllmState(running=2, kv_usage_ratio=0.5)))
+    rows = [TargetRow("chat", "10.0.0.5:8000", "vllm", True, "32,768 tokens in flight"),
+            TargetRow("chat", "10.0.0.6:8000", None, False, "HTTP 500 <oops>")]
+    server = StepBudgetServer("127.0.0.1", 0, make_registry(poller.readings, config.deployments),
+                              ready=lambda: poller.ready, targets=lambda: rows)
+    server.register_route("POST", "/v1/echo", lambda request: Response(200, request.body[::-1]))
+
+    def broken(request):
+        raise RuntimeError("handler bug")
+
+    server.register_route("GET", "/broken", broken)
+    with pytest.raises(ValueError):
+        server.register_route("GET", "/metrics", broken)
+    server.start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        assert requests.get(f"{base}/-/healthy", timeout=5).status_code == 200
+        assert requests.get(f"{base}/-/ready", timeout=5).status_code == 503
+        poller.poll_once()
+        assert requests.get(f"{base}/-/ready", timeout=5).status_code == 200
+        metrics = requests.get(f"{base}/metrics", timeout=5)
+        assert metrics.headers["Content-Type"].startswith("text/plain")
+        assert "stepbudget_tokens_in_flight{" in metrics.text
+        open_metrics = requests.get(f"{base}/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=5)
+        assert open_metrics.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert open_metrics.text.rstrip().endswith("# EOF")
+        landing = requests.get(f"{base}/", timeout=5).text
+        assert "href='/metrics'" in landing and "10.0.0.6:8000" in landing and "DOWN" in landing
+        assert "HTTP 500 &lt;oops&gt;" in landing  # escaped
+        assert requests.post(f"{base}/v1/echo", data=b"abc", timeout=5).content == b"cba"
+        assert requests.get(f"{base}/v1/echo", timeout=5).status_code == 405
+        assert requests.get(f"{base}/nope", timeout=5).status_code == 404
+        assert requests.get(f"{base}/broken", timeout=5).status_code == 500
+        assert requests.get(f"{base}/-/healthy", timeout=5).status_code == 200  # still serving
+    finally:
+        server.stop()
