@@ -162,3 +162,27 @@ def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     result = subprocess.run([str(STEPBUDGET), "serve", "--config", str(config)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "bad.yaml:6: deployments[0].headrom: unknown key (did you mean: headroom?)" in result.stderr
+
+
+@pytest.mark.e2e
+def test_serve_posts_the_page_to_a_real_alertmanager(page_server: PageServer, daemons, alertmanager) -> None:
+    """The daemon's own alert loop, wired by flags: at 500 tok/s the step budget (0.9/500 = 1.8 ms)
+    is below the weight read alone (16.4 GB at 2 TB/s = 8 ms), so the page fires after `for`."""
+    upstream = AdvancingServer(page_server)
+    upstream.first_request_may_finish.set()
+    process, base = start_daemon("--target", page_server.url, "--model", "qwen3-8b", "--gpu", "h100-sxm",
+                                 "--deployment", "chat", "--target-tps", "500",
+                                 "--alertmanager-url", alertmanager.url, "--alert-for", "1s")
+    daemons.append(process)
+
+    def page() -> list[dict[str, object]]:
+        return [a for a in alertmanager.alerts() if a["labels"]["alertname"] == "StepBudgetPredictedStepOverBudget"]
+
+    [alert] = wait_until(page, timeout_seconds=20)
+    assert alert["labels"] == {"alertname": "StepBudgetPredictedStepOverBudget", "severity": "critical",
+                               "deployment": "chat", "target": page_server.url[7:-8],
+                               "model_name": "Qwen/Qwen3-8B", "engine": "0"}
+    assert alert["generatorURL"] == f"{base}/"
+    code, logs = stop_daemon(process, signal.SIGTERM)
+    assert code == 0
+    assert any(line["event"] == "alert_firing" for line in logs)
