@@ -50,8 +50,10 @@ class Target:
 
 
 def target_label(url: str) -> str:
+    """Unique per URL: two targets must never export the same series."""
     parts = urlsplit(url)
-    return parts.netloc + ("" if parts.path in ("", "/metrics") else parts.path)
+    label = parts.netloc + ("" if parts.path in ("", "/metrics") else parts.path)
+    return label + (f"?{parts.query}" if parts.query else "")
 
 
 def _host_port_url(scheme: str, host: str, port: int, path: str) -> str:

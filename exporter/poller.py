@@ -397,6 +397,10 @@ class Poller:
         for snapshot in page.snapshots:  # type: ignore[attr-defined]
             identity = (snapshot.model_name, snapshot.engine)
             window = self._compute_window(state.previous.get(identity), snapshot)
+            if getattr(window, "counter_reset", False):
+                log.info("counter_reset", deployment=deployment.name, target=target.target,
+                         model_name=snapshot.model_name, engine=snapshot.engine,
+                         notes=list(getattr(window, "notes", ())))
             reading = derive_reading(deployment, target, snapshot, window, now_seconds=now,
                                      scrape_duration_seconds=duration_seconds)
             readings.append(reading)
@@ -407,12 +411,14 @@ class Poller:
         return readings
 
     def _log_partial(self, state: TargetState, readings: Iterable[Reading]) -> None:
-        """Log what could not be derived, once per change, so a partial reading is never silent."""
+        """Log the values a page does not allow, once per change, so a partial reading is never
+        silent; the routine gaps of a window (first poll, idle) are not logged."""
         for reading in readings:
             previous = next((r for r in state.readings if r.identity == reading.identity and r.target_up), None)
-            if reading.notes and (previous is None or previous.notes != reading.notes):
+            if reading.lacking != (previous.lacking if previous is not None else ()):
                 log.info("reading_partial", deployment=reading.deployment, target=reading.target,
-                         model_name=reading.model_name, engine=reading.engine, notes=list(reading.notes))
+                         model_name=reading.model_name, engine=reading.engine, left_out=list(reading.lacking),
+                         notes=list(reading.notes))
 
     # --- scheduling -----------------------------------------------------------------------------
 

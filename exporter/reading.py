@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 # server has none, so the budget is quoted for this typical chat context.
 IDLE_CONTEXT_TOKENS = 2000.0
 
+# Values measured over the window between two polls: absent on a first poll, an idle window or a
+# counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
+# The per-target values the collector exports (every stepbudget_<name> but target_up).
+VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
+                "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
+                "preemptions_total", "prefill_tokens_per_step", "step_read_bytes", "predicted_step_seconds",
+                "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
+                "measured_step_median_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
+                "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio")
+WINDOW_FIELDS = ("measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio",
+                 "prefill_tokens_per_step")
+
 
 @dataclass(frozen=True)
 class Reading:
@@ -58,6 +70,8 @@ class Reading:
     bandwidth_source: str | None = None
     kind: str | None = None  # vllm | sglang | tgi
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Exported values left out for a lasting reason (the page lacks them, or gives unusable numbers).
+    lacking: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -138,12 +152,13 @@ def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapsh
     )
     if tokens is None or running is None:
         notes.append("predicted_step_seconds: needs tokens in flight and running requests")
-        return replace(reading, token_budget_tokens=_token_budget(setup, budget_seconds, tokens, running),
-                       notes=tuple(notes))
+        reading = replace(reading, token_budget_tokens=_token_budget(setup, budget_seconds, tokens, running),
+                          notes=tuple(notes))
+        return replace(reading, lacking=_lacking(reading, snapshot))
     prediction = model.predict_step(setup, model.groups_from_total(tokens, running), prefill or 0.0)
     predicted = prediction.step_seconds
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
-    return replace(
+    reading = replace(
         reading,
         step_read_bytes=prediction.read_bytes,
         predicted_step_seconds=predicted,
@@ -155,6 +170,22 @@ def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapsh
         token_budget_utilization_ratio=tokens / token_budget if token_budget else None,
         notes=tuple(notes),
     )
+    return replace(reading, lacking=_lacking(reading, snapshot))
+
+
+def _lacking(reading: Reading, snapshot: "Snapshot") -> tuple[str, ...]:
+    """Exported values absent for a reason that lasts: not the routine gaps of a window."""
+    absent = [name for name in VALUE_FIELDS if _value_of(reading, name) is None]
+    routine = set(WINDOW_FIELDS)
+    if snapshot.inter_token_latency is None:
+        routine -= {"measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio"}
+    if snapshot.prompt_tokens_total is None or snapshot.engine_steps_total is None:
+        routine.discard("prefill_tokens_per_step")
+    return tuple(name for name in absent if name not in routine)
+
+
+def _value_of(reading: Reading, name: str) -> float | None:
+    return getattr(reading, name.removeprefix("target_") if name.startswith("target_") else name)
 
 
 def _token_budget(setup: model.ServingSetup, budget_seconds: float, tokens: float | None,

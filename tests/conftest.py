@@ -105,6 +105,15 @@ def send_text(handler: BaseHTTPRequestHandler, body: bytes | str, status: int = 
     handler.wfile.write(data)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client hanging up early (what a size cap or a deadline does) is no error here."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class PageServer:
     """A stdlib HTTP server on 127.0.0.1; `respond(handler)` (settable) answers every GET."""
 
@@ -126,7 +135,7 @@ class PageServer:
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
                 pass
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()

@@ -118,6 +118,12 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     assert samples["stepbudget_build_info"] == [({"version": __version__}, 1.0)]
 
 
+def test_the_reading_knows_every_exported_value() -> None:
+    from exporter.reading import VALUE_FIELDS
+
+    assert [spec.name.removeprefix("stepbudget_") for spec in PER_TARGET][1:] == list(VALUE_FIELDS)
+
+
 def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
     """One poll gives no window: measured, error and prefill are left out, not exported as 0."""
     config = make_config([page_server.url])

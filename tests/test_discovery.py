@@ -42,6 +42,8 @@ def test_static_targets_and_their_labels() -> None:
         ("https://vllm.example:443/v1/metrics", "vllm.example:443/v1/metrics", {}),
     ]
     assert target_label("http://[fd00::5]:8000/metrics") == "[fd00::5]:8000"
+    # Two URLs never share a target label (they would export duplicate series).
+    assert target_label("http://gw:80/metrics?pod=a") != target_label("http://gw:80/metrics?pod=b")
 
 
 # --- DNS ------------------------------------------------------------------------------------------

@@ -270,7 +270,9 @@ def test_counter_going_backwards_measures_nothing_for_that_window(page_server: P
                           preemptions=0, itl_buckets={0.01: 1, 0.025: 10, 0.05: 10, 0.1: 10})
     page_server.serve_text(vllm_page(restarted))
     clock.advance(15)
-    reading = only_reading(poller.poll_once().readings)
+    with capture_logs() as logs:
+        reading = only_reading(poller.poll_once().readings)
+    assert [line["event"] for line in logs] == ["counter_reset"]
     assert reading.target_up is True
     assert reading.measured_step_seconds is None and reading.prefill_tokens_per_step is None
     assert reading.preemptions_total == 0  # the server's own counter value; Prometheus handles resets
@@ -280,6 +282,29 @@ def test_counter_going_backwards_measures_nothing_for_that_window(page_server: P
     page_server.serve_text(vllm_page(again))
     clock.advance(15)
     assert only_reading(poller.poll_once().readings).measured_step_seconds == pytest.approx((0.45 - 0.15) / (30 - 10))
+
+
+def test_routine_window_gaps_are_quiet_but_a_page_without_the_histogram_is_logged(
+        page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    """A first poll or an idle window measures nothing, as expected: no log line per target. A page
+    that lacks the ITL histogram can never measure: that is said once."""
+    poller = make_poller(make_config([page_server.url]), clock)
+    page_server.serve_text(busy_page())
+    with capture_logs() as logs:
+        poller.poll_once()  # first poll: no window yet
+        clock.advance(15)
+        poller.poll_once()  # same counters: an idle window
+    assert [line["event"] for line in logs if line["event"] == "reading_partial"] == []
+    page = busy_page()
+    without_itl = "\n".join(line for line in page.splitlines() if "inter_token_latency" not in line) + "\n"
+    page_server.serve_text(without_itl)
+    with capture_logs() as logs:
+        for _ in range(3):
+            clock.advance(15)
+            poller.poll_once()
+    [line] = [line for line in logs if line["event"] == "reading_partial"]
+    assert line["left_out"] == ["measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio"]
+    assert any("inter_token_latency" in note for note in line["notes"])
 
 
 def test_failing_target_does_not_disturb_the_healthy_one(make_page_server, clock: ManualClock,
