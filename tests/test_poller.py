@@ -415,3 +415,32 @@ def test_trickling_server_is_cut_at_the_real_deadline(page_server: PageServer, s
     finally:
         stop.set()
         fetcher.close()
+
+
+def test_gzip_pages_are_read_and_the_cap_counts_decoded_bytes(page_server: PageServer) -> None:
+    """prometheus_client compresses when asked (requests asks); a small compressed page that
+    inflates past the cap (a gzip bomb) is refused like any large page."""
+    import gzip
+
+    def gzipped(body: bytes):
+        def respond(handler: BaseHTTPRequestHandler) -> None:
+            data = gzip.compress(body)
+            handler.send_response(200)
+            handler.send_header("Content-Encoding", "gzip")
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+        return respond
+
+    fetcher = HttpFetcher(2.0, 100_000)
+    try:
+        page = busy_page()
+        page_server.respond = gzipped(page.encode())
+        assert fetcher(page_server.url, bearer_token=None, tls=Tls()) == page
+        bomb = b"# " + b"0" * 1_000_000 + b"\n"
+        assert len(gzip.compress(bomb)) < 100_000
+        page_server.respond = gzipped(bomb)
+        with pytest.raises(FetchError, match="response over 100000 bytes"):
+            fetcher(page_server.url, bearer_token=None, tls=Tls())
+    finally:
+        fetcher.close()
