@@ -31,6 +31,7 @@ Pure apart from the lock: time comes from an injected clock, so tests drive it i
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import json
 import math
@@ -147,6 +148,7 @@ class _Target:
     measured_tokens_in_flight: float
     measured_at_seconds: float
     admissions: dict[str, Admission] = field(default_factory=dict)
+    open_tokens: int = 0  # the sum of `admissions`' tokens, kept as they come and go
     # Reserved tokens of the admissions open and settled when `measured_tokens_in_flight` was taken.
     settled_at_poll_tokens: float = 0.0
     # False while the target is down or its last poll lacked the values: no new admissions, but
@@ -196,6 +198,8 @@ class AdmissionBook:
         self._lock = threading.Lock()
         self._targets: dict[tuple[str, str], _Target] = {}
         self._by_id: dict[str, _Target] = {}
+        # (expires_at, id) of every admission; released ones are skipped when they come up.
+        self._leases: list[tuple[float, str]] = []
         self._decisions: dict[tuple[str, str], int] = {
             (name, decision): 0 for name in self._policies for decision in DECISIONS
         }
@@ -315,10 +319,8 @@ class AdmissionBook:
         """Close an admission; None when the id is unknown, already released, or its lease ran out."""
         with self._lock:
             self._expire(self._clock())
-            state = self._by_id.pop(admission_id, None)
-            if state is None:
-                return None
-            return state.admissions.pop(admission_id)
+            state = self._by_id.get(admission_id)
+            return None if state is None else self._close(state, admission_id)
 
     def accounted_tokens(self, deployment: str, target: str) -> float:
         with self._lock:
@@ -366,9 +368,8 @@ class AdmissionBook:
         return self.pools.long_deployment
 
     def _accounted(self, state: _Target) -> float:
-        open_tokens = float(sum(admission.tokens for admission in state.admissions.values()))
         unaccounted = max(0.0, state.measured_tokens_in_flight - state.settled_at_poll_tokens)
-        return open_tokens + unaccounted
+        return state.open_tokens + unaccounted
 
     def _account(self, state: _Target) -> TargetAccount:
         return TargetAccount(state.deployment, state.target, state.budget_tokens,
@@ -388,16 +389,25 @@ class AdmissionBook:
             admission_id = self._new_id()
         admission = Admission(admission_id, state.deployment, state.target, request.context_tokens, now, now + lease)
         state.admissions[admission_id] = admission
+        state.open_tokens += admission.tokens
         self._by_id[admission_id] = state
+        heapq.heappush(self._leases, (admission.expires_at_seconds, admission_id))
+        return admission
+
+    def _close(self, state: _Target, admission_id: str) -> Admission:
+        del self._by_id[admission_id]
+        admission = state.admissions.pop(admission_id)
+        state.open_tokens -= admission.tokens
         return admission
 
     def _expire(self, now: float) -> None:
-        for state in self._targets.values():
-            expired = [key for key, admission in state.admissions.items() if admission.expires_at_seconds <= now]
-            for key in expired:
-                del state.admissions[key]
-                del self._by_id[key]
-            self.expired_total += len(expired)
+        """Drop admissions whose lease ran out: O(log n) each, nothing when none is due."""
+        while self._leases and self._leases[0][0] <= now:
+            _, admission_id = heapq.heappop(self._leases)
+            state = self._by_id.get(admission_id)
+            if state is not None:  # else released before its lease ran out
+                self._close(state, admission_id)
+                self.expired_total += 1
 
     def _retry_after(self, now: float) -> int:
         """Budget frees at a release (any moment) or at the next poll, whichever comes first;

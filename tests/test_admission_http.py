@@ -7,9 +7,12 @@ real Reading's token budget; the client then admits, is refused, releases, and g
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -142,8 +145,6 @@ def test_a_wrong_token_is_401_and_a_bad_body_is_400_with_the_message(running: Ru
 
 
 def test_an_unreachable_daemon_raises_unavailable_within_the_timeout() -> None:
-    import socket
-
     with socket.socket() as placeholder:  # a port that was free a moment ago: nothing listens there
         placeholder.bind(("127.0.0.1", 0))
         port = placeholder.getsockname()[1]
@@ -172,3 +173,38 @@ def test_admission_is_off_by_default_and_its_routes_are_absent(tmp_path: Path) -
         daemon.server.stop()
         daemon.poller.stop()
         daemon.fetcher.close()
+
+
+def test_a_keep_alive_connection_the_daemon_closed_is_reopened_without_asking_twice() -> None:
+    """A server that closes every connection after answering, without saying so: the client's
+    second call finds its kept-alive socket dead and sends once more on a fresh one."""
+    received: list[bytes] = []
+
+    class ClosingHandler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            received.append(self.rfile.read(int(self.headers["Content-Length"])))
+            body = json.dumps({"decision": "admitted", "deployment": "chat", "pool": None, "tokens": 2,
+                               "tokens_left": 0, "reason": "test", "id": f"id-{len(received)}"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True  # closed without a `Connection: close` header
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with AdmissionClient(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
+            assert client.admit(1, 1, deployment="chat").id == "id-1"
+            assert client.admit(1, 1, deployment="chat").id == "id-2"
+        assert len(received) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

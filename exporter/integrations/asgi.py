@@ -124,25 +124,30 @@ class AdmissionMiddleware:
     async def _run_admitted(self, scope: Scope, receive: Receive, send: Send, admission_id: str) -> None:
         released = False
 
-        async def release() -> None:
+        def release() -> None:
+            # Handed to a worker thread and not awaited: frameworks cancel the response task as
+            # soon as the last byte is out (Starlette's StreamingResponse stops on the disconnect
+            # that follows it), and an awaited release would be cancelled before it ran.
             nonlocal released
-            if released:
-                return
-            released = True
-            try:
-                await asyncio.to_thread(self.client.release, admission_id)
-            except AdmissionError as error:  # its lease expires on the daemon instead
-                log.warning("admission_release_failed", id=admission_id, error=str(error))
+            if not released:
+                released = True
+                asyncio.get_running_loop().run_in_executor(None, self._release_quietly, admission_id)
 
         async def send_and_release_at_end(message: Message) -> None:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await release()
+                release()
 
         try:
             await self.app(scope, receive, send_and_release_at_end)
         finally:
-            await release()  # the app failed, or the client went away mid-stream
+            release()  # the app failed, or the client went away mid-stream
+
+    def _release_quietly(self, admission_id: str) -> None:
+        try:
+            self.client.release(admission_id)
+        except AdmissionError as error:  # its lease runs out on the daemon instead
+            log.warning("admission_release_failed", id=admission_id, error=str(error))
 
 
 async def _read_body(receive: Receive) -> bytes:
