@@ -40,7 +40,10 @@ from exporter.admission import (  # noqa: E402
 )
 from exporter.admission_client import AdmissionClient  # noqa: E402
 from exporter.config import config_from_mapping  # noqa: E402
-from exporter.integrations.simulated_gateway import MODES, format_run, run_agents_join  # noqa: E402
+from exporter.integrations.simulated_gateway import (  # noqa: E402
+    MODES, scenario_groups, format_run, run_agents_join,
+)
+from exporter.simulator import load_scenario  # noqa: E402
 from exporter.simulator import ServerSpec, start_server  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -150,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def workload() -> str:
+    chats, agents = scenario_groups(load_scenario("agents-join"))
+    return (f"`agents-join` on Qwen3-8B / H100 SXM: {chats.users} chat users (~{chats.prompt_tokens.mean:,}-token prompts, "
+            f"~{chats.output_tokens.mean:,}-token answers); {agents.count} agent sessions of ~{agents.prompt_tokens.mean:,} "
+            f"prompt tokens join at {agents.at_seconds:g} s.")
+
+
 def render(machine: str, timings: list[Timing], runs: dict) -> str:
     lines = [
         "# Admission: cost per decision and effect on `agents-join`",
@@ -170,10 +180,11 @@ def render(machine: str, timings: list[Timing], runs: dict) -> str:
         "",
         "## `agents-join` through a gateway, in simulated time",
         "",
-        "40 chat users (~1,500-token prompts, ~500-token answers) on Qwen3-8B / H100 SXM; two ~100,000-token "
-        "agent sessions join at 120 s. Median per-stream decode speed of the chats that streamed wholly before "
-        "the agents joined (30–120 s) and while they ran (150–300 s); the daemon's poll pipeline reads the "
-        "simulated servers every 15 s and feeds the admission book.",
+        f"{workload()} Median per-stream decode speed of the chats that streamed wholly before the agents joined "
+        "and while they ran (from 30 s after they joined to the end of the run); the daemon's poll pipeline reads "
+        "the simulated servers every 15 s and feeds the admission book. Modes: `shared` = no admission, one "
+        "server; `pools` = admission with a chat pool (50 tok/s) and a long-context pool (20 tok/s budget), "
+        "split at 32,000 tokens; `one-pool` = admission on the chat server alone.",
         "",
         "| mode | chats before | chats with the agents | chat streams measured | agents | agents ran on | decisions |",
         "|---|---:|---:|---:|---:|---|---|",

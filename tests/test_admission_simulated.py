@@ -12,11 +12,10 @@ import pytest
 from exporter import model
 from exporter.deployment import build_setup
 from exporter.integrations.simulated_gateway import (
-    AGENTS_TARGET, CHAT_TARGET, CHAT_TARGET_TOKENS_PER_SECOND, GatewayRun, run_agents_join,
+    AGENTS_TARGET, CHAT_TARGET, CHAT_TARGET_TOKENS_PER_SECOND, GatewayRun, run_agents_join, scenario_groups,
 )
 from exporter.presets import get_model_preset
 from exporter.simulator import load_scenario
-from exporter.simulator.scenarios import ClosedLoopGroup, ScriptedGroup
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +26,7 @@ def runs() -> dict[str, GatewayRun]:
 def predicted_slowdown_ratio() -> float:
     """Per-user speed with the agents over speed without, by the capacity model: 40 chats at their
     mean context against the same plus two agent sessions at their prompt (they grow from there)."""
-    scenario = load_scenario("agents-join")
-    chats = next(g for g in scenario.groups if isinstance(g, ClosedLoopGroup))
-    agents = next(g for g in scenario.groups if isinstance(g, ScriptedGroup))
+    chats, agents = scenario_groups(load_scenario("agents-join"))
     setup = build_setup(get_model_preset("qwen3-8b"), "h100-sxm").setup
     chat_context = chats.prompt_tokens.mean + chats.output_tokens.mean / 2
     chat_load = [model.RequestGroup(chats.users, chat_context)]

@@ -156,7 +156,7 @@ def gateway_config(poll_interval_seconds: float) -> Config:
     })
 
 
-def _scenario_groups(scenario: Scenario) -> tuple[ClosedLoopGroup, ScriptedGroup]:
+def scenario_groups(scenario: Scenario) -> tuple[ClosedLoopGroup, ScriptedGroup]:
     chats = next(g for g in scenario.groups if isinstance(g, ClosedLoopGroup))
     agents = next(g for g in scenario.groups if isinstance(g, ScriptedGroup))
     return chats, agents
@@ -175,7 +175,7 @@ def run_agents_join(mode: str, *, until_seconds: float = AGENTS_JOIN_SECONDS + 1
                              pools_from_config(config) if mode == "pools" else None,
                              clock=clock, poll_interval_seconds=poll_interval_seconds)
     sims = {CHAT_TARGET: Simulator(ServerSpec(seed=seed)), AGENTS_TARGET: Simulator(ServerSpec(seed=seed + 1))}
-    chats, agents = _scenario_groups(load_scenario("agents-join"))
+    chats, agents = scenario_groups(load_scenario("agents-join"))
     gateway = _Gateway(sims, book, mode == "pools", chats, random.Random(seed), poll_interval_seconds)
     for user in range(chats.users):
         at = chats.start_seconds + chats.ramp_seconds * (user + gateway.rng.random()) / chats.users
