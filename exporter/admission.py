@@ -679,10 +679,14 @@ def register_config_sections() -> None:
         "split_tokens": config.Key(config._whole_positive, config.REQUIRED,
                                    "context (prompt + output limit) above which a request belongs to the long pool"),
     }, "short- and long-context pools for admission and `plan --pools`", check=_check_pools_section)
+    config.register_config_check(_check_pools_deployments)
 
 
 def pools_from_config(config: Any) -> Pools | None:
-    """The `pools` section as Pools, its deployments checked against `deployments[]`."""
+    """The `pools` section as Pools, its deployments checked against `deployments[]` (also run by
+    the config's own validation, so `check-config` reports a pool naming no deployment)."""
+    from exporter.config import ConfigError
+
     raw = config.sections.get("pools")
     if not raw:
         return None
@@ -691,9 +695,13 @@ def pools_from_config(config: Any) -> Pools | None:
     for key in ("short", "long"):
         if raw[key] not in names:
             place = f"{config.source}:{lines.get(key, getattr(raw, 'line', 0))}: " if config.source else ""
-            raise InputError(f"{place}pools.{key}: deployment {raw[key]!r} is not in deployments"
+            raise ConfigError(f"{place}pools.{key}: deployment {raw[key]!r} is not in deployments"
                              f"{close_names(raw[key], names)}; known: {', '.join(names)}")
     return Pools(raw["short"], raw["long"], raw["split_tokens"])
+
+
+def _check_pools_deployments(config: Any) -> None:
+    pools_from_config(config)
 
 
 def api_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic) -> AdmissionApi | None:

@@ -421,6 +421,15 @@ def register_section(name: str, table: Table, doc: str = "", *,
     TOP_LEVEL_KEYS[name] = key
 
 
+# Checks across sections (e.g. `pools` naming deployments), run on the built Config; each raises
+# ConfigError naming the key.
+_CONFIG_CHECKS: list[Callable[["Config"], None]] = []
+
+
+def register_config_check(check: Callable[["Config"], None]) -> None:
+    _CONFIG_CHECKS.append(check)
+
+
 # --- the parsed config --------------------------------------------------------------------------
 
 
@@ -609,12 +618,15 @@ def config_from_mapping(document: Any, source: str = "") -> Config:
             alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
             timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
         ) if alerting_raw else Alerting()
-        return Config(
+        config = Config(
             listen=top["listen"], poll_interval_seconds=top["poll_interval"], timeout_seconds=top["timeout"],
             stale_after_seconds=top["stale_after"], max_response_bytes=int(top["max_response_bytes"]),
             log_format=top["log_format"], deployments=tuple(deployments), alerting=alerting,
             sections={name: top[name] for name in _EXTRA_SECTIONS}, source=source,
         )
+        for check in _CONFIG_CHECKS:
+            check(config)
+        return config
     finally:
         _current_file[0] = ""
 
@@ -657,6 +669,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from exporter.daemon import _load_optional_modules
+
+    _load_optional_modules()  # they register their sections (admission, pools) before the file is read
     config = load_config(args.file)
     print(f"{args.file}: ok: {config.summary()}")
     return 0
