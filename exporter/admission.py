@@ -442,8 +442,11 @@ def measurements_from_readings(readings: Iterable[Any]) -> tuple[list[TargetMeas
     """Usable measurements, and the targets present but unusable (down, or a value missing).
 
     Takes `exporter.reading.Reading`s (deployment, target, target_up, tokens_in_flight,
-    token_budget_tokens). A target with one unusable engine is unusable as a whole: admitting on
-    a partial sum could overfill the engine that went unseen."""
+    token_budget_tokens, kv_cache_capacity_tokens). The budget is the speed budget capped by the
+    KV cache: at a slow target (a long-context pool) the speed budget can exceed what the cache
+    holds, and admitting past it means preemptions, not slower streams. A target with one
+    unusable engine is unusable as a whole: admitting on a partial sum could overfill the engine
+    that went unseen."""
     sums: dict[tuple[str, str], tuple[float, float]] = {}
     unusable: set[tuple[str, str]] = set()
     for reading in readings:
@@ -452,6 +455,9 @@ def measurements_from_readings(readings: Iterable[Any]) -> tuple[list[TargetMeas
         if not reading.target_up or tokens is None or budget is None:
             unusable.add(key)
             continue
+        capacity = getattr(reading, "kv_cache_capacity_tokens", None)
+        if capacity:
+            budget = min(budget, capacity)
         budget_sum, tokens_sum = sums.get(key, (0.0, 0.0))
         sums[key] = (budget_sum + budget, tokens_sum + tokens)
     usable = [TargetMeasurement(deployment, target, budget, tokens)

@@ -6,8 +6,8 @@ themselves. This module splits a mix (`--load` lines) at a context size (`--spli
 and a long class and predicts each class's per-user speed:
   * shared: the whole mix on one replica (what a single pool does when the sessions land together);
   * own pool: each class on its own replica, without the other;
-and the replicas each arrangement needs to hold the speed target (requests spread evenly, the
-busiest replica counted). Pure: built from `exporter.model` and the planner's Plan.
+and the replicas each arrangement needs to hold the speed target within the KV cache (requests
+spread evenly, the busiest replica counted). Pure: built from `exporter.model` and the planner's Plan.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class PoolsPlan:
     target_tokens_per_second: float
     step_budget_seconds: float
     token_budget_tokens: float
+    kv_capacity_tokens: int  # per replica: at a slow target the speed budget can exceed it
     shared: PoolSpeed
     short: PoolSpeed | None  # loads with context <= split, on their own replicas
     long: PoolSpeed | None  # loads with context > split, on their own replicas
@@ -70,19 +71,26 @@ def busiest_replica(loads: Sequence[RequestGroup], replicas: int) -> list[Reques
     return [RequestGroup(math.ceil(g.count / replicas), g.context_tokens) for g in loads if g.count]
 
 
+def _fits(setup: ServingSetup, loads: Sequence[RequestGroup], step_budget_seconds: float) -> bool:
+    """The loads' step fits the budget and their tokens fit the KV cache."""
+    step = model.predict_step(setup, list(loads))
+    return step.step_seconds <= step_budget_seconds and step.tokens_in_flight <= model.kv_capacity_tokens(setup)
+
+
 def replicas_for_target(setup: ServingSetup, loads: Sequence[RequestGroup], step_budget_seconds: float) -> int | None:
-    """The fewest replicas whose busiest one fits the step budget (None: one request alone misses)."""
+    """The fewest replicas whose busiest one fits the step budget and the KV cache (None: one
+    request of the longest context alone does not)."""
     if not loads:
         return 0
     longest = max(group.context_tokens for group in loads)
-    if model.predict_step(setup, [RequestGroup(1, longest)]).step_seconds > step_budget_seconds:
+    if not _fits(setup, [RequestGroup(1, longest)], step_budget_seconds):
         return None
     most = max(group.count for group in loads)
-    # Fewer replicas never help, so bisect on the predicate "the busiest replica fits".
+    # More replicas never make the busiest one busier, so bisect on "the busiest replica fits".
     low, high = 1, most
     while low < high:
         middle = (low + high) // 2
-        if model.predict_step(setup, busiest_replica(loads, middle)).step_seconds <= step_budget_seconds:
+        if _fits(setup, busiest_replica(loads, middle), step_budget_seconds):
             high = middle
         else:
             low = middle + 1
@@ -111,6 +119,7 @@ def plan_pools(setup: ServingSetup, loads: Sequence[RequestGroup], split_tokens:
     return PoolsPlan(
         split_tokens=split_tokens, target_tokens_per_second=target_tokens_per_second, step_budget_seconds=budget,
         token_budget_tokens=model.token_budget_tokens(setup, budget, context),
+        kv_capacity_tokens=model.kv_capacity_tokens(setup),
         shared=pool_speed(setup, loads, budget),
         short=pool_speed(setup, short, budget) if short else None,
         long=pool_speed(setup, long, budget) if long else None,
@@ -174,6 +183,7 @@ def pools_to_json(pools: PoolsPlan) -> dict[str, Any]:
         "target_tokens_per_second": pools.target_tokens_per_second,
         "step_budget_seconds": pools.step_budget_seconds,
         "token_budget_tokens": pools.token_budget_tokens,
+        "kv_capacity_tokens": pools.kv_capacity_tokens,
         "shared": _speed_json(pools.shared),
         "short": _speed_json(pools.short),
         "long": _speed_json(pools.long),
@@ -204,7 +214,8 @@ def format_pools(pools: PoolsPlan) -> str:
     split_total = pools.split_replicas_for_target
     lines = [
         f"target {target:g} tok/s per user: step budget {pools.step_budget_seconds * 1e3:,.2f} ms, "
-        f"token budget {pools.token_budget_tokens:,.0f} tokens in flight per replica",
+        f"token budget {pools.token_budget_tokens:,.0f} tokens in flight per replica "
+        f"(KV cache holds {pools.kv_capacity_tokens:,})",
         f"shared pool, one replica: {shared.tokens_in_flight:,.0f} tokens in flight, every user "
         f"{shared.user_tokens_per_second:,.1f} tok/s ({'meets' if shared.meets_target else 'MISSES'} the target)",
         "",

@@ -226,9 +226,10 @@ def test_pools_must_name_configured_deployments() -> None:
 # --- readings -> measurements -------------------------------------------------------------------------
 
 
-def reading(deployment: str, target: str, up: bool, tokens: float | None, budget: float | None) -> SimpleNamespace:
-    return SimpleNamespace(deployment=deployment, target=target, target_up=up,
-                           tokens_in_flight=tokens, token_budget_tokens=budget)
+def reading(deployment: str, target: str, up: bool, tokens: float | None, budget: float | None,
+            capacity: float | None = None) -> SimpleNamespace:
+    return SimpleNamespace(deployment=deployment, target=target, target_up=up, tokens_in_flight=tokens,
+                           token_budget_tokens=budget, kv_cache_capacity_tokens=capacity)
 
 
 def test_engines_of_one_target_add_up_and_one_unusable_engine_suspends_the_target() -> None:
@@ -240,6 +241,14 @@ def test_engines_of_one_target_add_up_and_one_unusable_engine_suspends_the_targe
     ])
     assert [(m.target, m.budget_tokens, m.tokens_in_flight) for m in usable] == [("a:8000", 11_000.0, 3000.0)]
     assert unusable == {("chat", "b:8000")}
+
+
+def test_the_budget_is_capped_by_what_the_kv_cache_holds() -> None:
+    usable, _ = measurements_from_readings([
+        reading("agents", "x:8000", True, 0.0, budget=502_000.0, capacity=377_000.0),  # a slow target
+        reading("chat", "a:8000", True, 0.0, budget=134_000.0, capacity=377_000.0),
+    ])
+    assert {m.target: m.budget_tokens for m in usable} == {"x:8000": 377_000.0, "a:8000": 134_000.0}
 
 
 def test_sync_suspends_unusable_targets_and_forgets_vanished_ones() -> None:

@@ -121,3 +121,13 @@ def test_text_output_is_a_table_per_class(capsys: pytest.CaptureFixture[str]) ->
     assert "40x2,000" in short_row and f"{speed(280_000):,.1f} tok/s" in short_row
     assert f"{speed(80_000):,.1f} tok/s" in short_row
     assert "replicas to hold 50 tok/s: shared pool 3, split pools 3" in out
+
+
+def test_at_a_slow_target_the_kv_cache_not_the_speed_sets_the_replicas(setup) -> None:
+    agents = RequestGroup(4, 100_000)
+    pools = plan_pools(setup, [agents], 32_000, target_tokens_per_second=20)
+    capacity_tokens = (0.9 * 80e9 - WEIGHT_BYTES) // (KV_BYTES_PER_TOKEN * 16) * 16  # whole 16-token blocks
+    budget_tokens = (0.9 / 20 * BANDWIDTH - WEIGHT_BYTES) / KV_BYTES_PER_TOKEN  # ~502,000
+    assert budget_tokens > 400_000 > capacity_tokens  # four sessions meet 20 tok/s but do not fit
+    assert pools.kv_capacity_tokens == capacity_tokens
+    assert pools.long is not None and pools.long.replicas_for_target == 2
