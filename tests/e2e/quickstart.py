@@ -26,10 +26,9 @@ OPERATOR_EXTERNAL_LABELS = {"prometheus": "monitoring/kube-prometheus-stack-prom
 OPERATOR_ALERT_RELABEL_CONFIGS = [{"action": "labeldrop", "regex": "prometheus_replica"}]
 
 
-def heredoc(name: str, text: str | None = None) -> str:
+def heredoc(name: str) -> str:
     """The body of `cat > NAME <<'EOF' ... EOF` in the quickstart."""
-    text = QUICKSTART.read_text() if text is None else text
-    match = re.search(rf"^cat > {re.escape(name)} <<'EOF'\n(.*?)\nEOF$", text, re.S | re.M)
+    match = re.search(rf"^cat > {re.escape(name)} <<'EOF'\n(.*?)\nEOF$", QUICKSTART.read_text(), re.S | re.M)
     if match is None:
         raise AssertionError(f"{QUICKSTART.name}: no here-document writing {name}")
     return match.group(1) + "\n"

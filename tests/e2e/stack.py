@@ -24,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 HTTP_TIMEOUT_SECONDS = 5.0
-STOP_GRACE_SECONDS = 10.0
+STOP_GRACE_SECONDS = 5.0
 SCRAPE_LABELS = ("instance", "job")  # added by Prometheus to every scraped series
 
 T = TypeVar("T")
@@ -234,7 +234,8 @@ def differences_besides_for(original: Any, copy: Any, where: str = "") -> list[s
     if isinstance(original, list) and isinstance(copy, list):
         if len(original) != len(copy):
             return [f"{where}: {len(original)} items vs {len(copy)}"]
-        return [d for i, (a, b) in enumerate(zip(original, copy)) for d in differences_besides_for(a, b, f"{where}[{i}]")]
+        return [difference for i, (a, b) in enumerate(zip(original, copy))
+                for difference in differences_besides_for(a, b, f"{where}[{i}]")]
     return [] if original == copy else [f"{where}: {original!r} vs {copy!r}"]
 
 
