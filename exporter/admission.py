@@ -604,7 +604,7 @@ def decision_response(decision: Decision) -> ApiResponse:
     if decision.admission is not None:
         admission = decision.admission
         body.update(id=admission.id, target=admission.target,
-                    lease_seconds=admission.expires_at_seconds - admission.admitted_at_seconds)
+                    lease_seconds=round(admission.expires_at_seconds - admission.admitted_at_seconds, 3))
         return ApiResponse(200, body)
     body.update(retry_after_seconds=decision.retry_after_seconds, long_context_pool=decision.long_context_pool)
     headers = (("Retry-After", str(decision.retry_after_seconds)),) if decision.retry_after_seconds else ()
