@@ -235,6 +235,12 @@ def test_the_page_reaches_the_webhook_with_its_labels_and_annotations(stack: Sta
     first = min(p.received_monotonic for p in stack.webhook.recorded() if webhook_alerts([p], PAGE, "firing"))
     assert first >= stack.agents_join_monotonic, "the page arrived before the agents could have joined"
 
+    # Prometheus runs the copy, which differs from the rules file only in the page's `for`.
+    assert differences_besides_for(yaml.safe_load(ALERTS_FILE.read_text()),
+                                   yaml.safe_load(stack.rules_copy.read_text())) == []
+    (loaded,) = [r for r in stack.prometheus.rules() if r.get("name") == PAGE]
+    assert loaded["duration"] == parse_duration_seconds(SHORT_FOR)
+
     expected = _expected_page_labels(stack)
     rule = _page_rule()
     for alert in _firing_page(stack):  # only the agents' target pages; the steady chat stays inside its budget
