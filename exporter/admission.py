@@ -599,7 +599,7 @@ def parse_admission_request(document: Mapping[str, Any]) -> AdmissionRequest:
 def decision_response(decision: Decision) -> ApiResponse:
     body: dict[str, Any] = {
         "decision": decision.decision, "deployment": decision.deployment, "pool": decision.pool,
-        "tokens": decision.context_tokens, "tokens_left": decision.tokens_left, "reason": decision.reason,
+        "tokens": decision.context_tokens, "tokens_left": round(decision.tokens_left, 1), "reason": decision.reason,
     }
     if decision.admission is not None:
         admission = decision.admission

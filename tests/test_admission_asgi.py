@@ -121,6 +121,20 @@ def test_an_admitted_stream_holds_its_tokens_until_the_last_byte(stack: Stack, s
     assert stack.forwarded == [target]
 
 
+def test_a_client_that_goes_away_mid_stream_releases_its_admission(stack: Stack, served_gateway) -> None:
+    client = SignallingClient(stack.daemon_url, TOKEN, timeout_seconds=TIMEOUT_SECONDS)
+    gateway = served_gateway(gateway_app(client, stack.forwarded))
+    # 100,000 tokens take minutes even at 20x: only the hang-up can end this admission in time.
+    body = {"prompt": "x" * 400, "max_tokens": 100_000, "stream": True}
+    answer = requests.post(f"{gateway}/v1/completions", json=body, stream=True, timeout=TIMEOUT_SECONDS)
+    target = answer.headers["x-target"]
+    assert next(line for line in answer.iter_lines() if line).startswith(b"data: ")
+    assert stack.book.accounted_tokens("chat", target) == 400 // 4 + 100_000
+    answer.close()  # the client hangs up
+    assert client.released.wait(TIMEOUT_SECONDS)
+    assert stack.book.accounted_tokens("chat", target) == 0
+
+
 def test_a_request_that_does_not_fit_gets_429_and_never_reaches_the_app(stack: Stack, served_gateway) -> None:
     client = AdmissionClient(stack.daemon_url, TOKEN, timeout_seconds=TIMEOUT_SECONDS)
     gateway = served_gateway(gateway_app(client, stack.forwarded))

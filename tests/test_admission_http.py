@@ -7,7 +7,10 @@ real Reading's token budget; the client then admits, is refused, releases, and g
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
 import exporter.admission as admission
 from exporter import daemon as daemon_module
@@ -28,6 +32,7 @@ from exporter.config import config_from_mapping
 from exporter.deployment import build_setup
 from exporter.presets import get_model_preset
 from exporter.simulator import ServerSpec, start_server
+from tests.conftest import free_port, wait_until
 
 TOKEN = "gateway-token-123"
 TIMEOUT_SECONDS = 5.0
@@ -208,3 +213,35 @@ def test_a_keep_alive_connection_the_daemon_closed_is_reopened_without_asking_tw
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def test_stepbudget_serve_with_an_admission_config_serves_the_api(tmp_path: Path) -> None:
+    """The real `stepbudget serve` process: the optional module's config sections exist before the
+    file is read, and its hook adds the routes."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    simulated = start_server("127.0.0.1", 0, None, 1.0, ServerSpec())
+    listen_port = free_port()
+    config_file = tmp_path / "stepbudget.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{listen_port}", "poll_interval": "1s", "log_format": "json",
+        "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                         "targets": {"static": [f"{simulated.url}/metrics"]}}],
+        "admission": {"enabled": True, "token_file": str(token_file)},
+    }))
+    process = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_file)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{listen_port}"
+    try:
+        wait_until(lambda: requests.get(f"{base}/-/ready", timeout=1).status_code == 200, timeout_seconds=20)
+        with AdmissionClient(base, TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
+            result = client.admit(1000, 100, deployment="chat")
+            assert result.admitted and result.target == f"127.0.0.1:{simulated.port}"
+            assert client.release(result.id or "")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+        simulated.stop()
