@@ -26,7 +26,11 @@ target_tokens_per_second` (the time its whole output takes at the target speed, 
 A lease that runs out is dropped: a gateway that crashed before its release cannot hold budget
 forever, and if the request is in fact still running, the measurement still counts it.
 
-Pure apart from the lock: time comes from an injected clock, so tests drive it in simulated time.
+What is here, in data-flow order: `AdmissionBook` (pure apart from its lock; time comes from an
+injected clock, so tests drive it in simulated time), `measurements_from_readings` (the daemon's
+Readings -> one budget and one measurement per target), `AdmissionApi` (the two POST handlers,
+independent of the HTTP server), `AdmissionCollector` (the two metric families), the `admission`
+and `pools` config sections, and `install`, the daemon extension hook that wires them together.
 """
 
 from __future__ import annotations
