@@ -379,3 +379,20 @@ def test_the_collector_exports_decisions_from_zero_and_accounted_tokens() -> Non
                                      {"deployment": "chat", "decision": "refused"}) == 1
     assert registry.get_sample_value("stepbudget_admitted_tokens",
                                      {"deployment": "chat", "target": "a:8000"}) == 1234 + 150
+
+
+def test_promtool_finds_nothing_to_lint_in_the_admission_metrics() -> None:
+    import subprocess
+
+    from prometheus_client import generate_latest
+
+    from tests.tools import require_tool
+
+    book = make_book(ManualClock())
+    book.reconcile("chat", "a:8000", 10_000, 0)
+    ask(book, 100, 50, deployment="chat")
+    registry = CollectorRegistry()
+    registry.register(AdmissionCollector(book))
+    result = subprocess.run([require_tool("promtool"), "check", "metrics"], input=generate_latest(registry),
+                            capture_output=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
