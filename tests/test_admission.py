@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.core import CollectorRegistry
 
 from exporter.admission import (
@@ -24,6 +26,7 @@ from exporter.admission import (
 )
 from exporter.errors import InputError
 from tests.conftest import ManualClock
+from tests.tools import require_tool
 
 
 
@@ -382,12 +385,6 @@ def test_the_collector_exports_decisions_from_zero_and_accounted_tokens() -> Non
 
 
 def test_promtool_finds_nothing_to_lint_in_the_admission_metrics() -> None:
-    import subprocess
-
-    from prometheus_client import generate_latest
-
-    from tests.tools import require_tool
-
     book = make_book(ManualClock())
     book.reconcile("chat", "a:8000", 10_000, 0)
     ask(book, 100, 50, deployment="chat")
