@@ -161,5 +161,12 @@ def test_rules_and_dashboards_on_a_live_prometheus(prometheus: str) -> None:
     expected = sum(values["stepbudget_tokens_in_flight"] for values in TARGETS.values())
     assert float(pool["value"][1]) == expected
 
-    empty = [expr for expr in _dashboard_queries() if not _query(prometheus, expr)]
+    # Rule groups are evaluated independently: a pool rule fed by a 5m rate may lag the per-target
+    # one by an evaluation, so poll until every panel has data or the deadline passes.
+    deadline = time.monotonic() + 20.0
+    while True:
+        empty = [expr for expr in _dashboard_queries() if not _query(prometheus, expr)]
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert not empty, f"dashboard queries with no data: {empty}"
