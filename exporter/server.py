@@ -94,10 +94,12 @@ class StepBudgetServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop serving and free the port; safe whether or not `start` was called."""
         if self._thread is not None:
+            self._httpd.shutdown()  # waits for serve_forever to return: only if it runs
             self._thread.join(timeout=5)
+            self._thread = None
+        self._httpd.server_close()
 
     # --- built-in routes ------------------------------------------------------------------------
 

@@ -250,3 +250,16 @@ def test_server_endpoints_readiness_and_route_table(page_server: PageServer, clo
         assert requests.get(f"{base}/-/healthy", timeout=5).status_code == 200  # still serving
     finally:
         server.stop()
+
+
+def test_server_stops_whether_or_not_it_was_started() -> None:
+    """A daemon built but never started (a test, a failed start) must stop without hanging."""
+    from exporter.server import StepBudgetServer
+
+    never_started = StepBudgetServer("127.0.0.1", 0, make_registry(tuple, ()), ready=lambda: False)
+    never_started.stop()
+    started = StepBudgetServer("127.0.0.1", 0, make_registry(tuple, ()), ready=lambda: False)
+    started.start()
+    started.stop()
+    started.stop()  # twice is harmless
+
