@@ -3,7 +3,7 @@
 Flags override config keys (and validate the same way); with `--target URL --model M --gpu G` the
 daemon runs without a file. SIGTERM and SIGINT stop it within a few seconds with exit code 0.
 
-Extension point: modules named in OPTIONAL_MODULES (admission, sharding, pools) are imported when
+Extension point: modules named in OPTIONAL_MODULES (admission, pools) are imported when
 present and call `register_extension(hook)`; each hook gets the running Daemon (config, poller,
 server with its route table) before polling starts.
 """
@@ -32,10 +32,11 @@ from exporter.errors import InputError
 from exporter.logs import configure_logging
 from exporter.poller import HttpFetcher, Poller
 from exporter.server import StepBudgetServer, TargetRow
+from exporter.sharding import ShardedDiscovery, parse_shard, shard_from_config, shard_section
 
 log = structlog.get_logger("stepbudget.daemon")
 
-OPTIONAL_MODULES = ("exporter.admission", "exporter.shard", "exporter.pools")
+OPTIONAL_MODULES = ("exporter.admission", "exporter.pools")
 STOP_POLL_SECONDS = 0.2
 
 
@@ -79,6 +80,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alertmanager-url", action="append", metavar="URL", default=[],
                         help="Alertmanager to post alerts to (repeatable); overrides alerting.alertmanager_urls")
     parser.add_argument("--alert-for", metavar="DURATION", help="overrides alerting.for (the page's `for`)")
+    parser.add_argument("--shard", metavar="INDEX/COUNT",
+                        help="poll only shard INDEX of COUNT (0 <= INDEX < COUNT; rendezvous hash of each target's URL); "
+                             "overrides the config's shard section")
 
 
 _TOP_LEVEL_FLAGS = {"listen": "listen", "poll_interval": "poll_interval", "timeout": "timeout",
@@ -116,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if args.alert_for:
             alerting["for"] = args.alert_for
         document["alerting"] = alerting
+    if getattr(args, "shard", None) is not None:
+        document["shard"] = shard_section(parse_shard(args.shard))
     return config_from_mapping(document, args.config or "")
 
 
@@ -125,7 +131,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def build_daemon(config: Config) -> Daemon:
     host, port = parse_listen(config.listen)
     fetcher = HttpFetcher(config.timeout_seconds, config.max_response_bytes)
-    discovery = Discovery(config.deployments, timeout_seconds=config.timeout_seconds)
+    discovery: Any = Discovery(config.deployments, timeout_seconds=config.timeout_seconds)
+    shard = shard_from_config(config)
+    if shard is not None:
+        discovery = ShardedDiscovery(discovery, shard)
     poller = Poller(config, discovery, fetcher)
     registry = make_registry(poller.readings, config.deployments)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
