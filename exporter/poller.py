@@ -37,6 +37,7 @@ log = structlog.get_logger("stepbudget.poller")
 
 CHUNK_BYTES = 65536
 MAX_FETCH_WORKERS = 32
+MAX_CACHED_REQUESTS = 100_000
 
 
 class FetchError(Exception):
@@ -175,6 +176,8 @@ class HttpFetcher:
         self._session.headers["User-Agent"] = f"stepbudget/{__version__}"
         # Ask for the text format: some servers answer OpenMetrics or protobuf on content negotiation.
         self._session.headers["Accept"] = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+        self._requests: dict[tuple[str, str | None], requests.PreparedRequest] = {}
+        self._settings: dict[tuple[str, bool | str], dict[str, object]] = {}
 
     def close(self) -> None:
         self._session.close()
@@ -197,11 +200,11 @@ class HttpFetcher:
 
     def _fetch(self, url: str, bearer_token: str | None, tls: Tls) -> str:
         deadline = self._clock() + self.timeout_seconds
-        headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
         verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
         try:
-            response = self._session.get(url, headers=headers, verify=verify, stream=True,
-                                         timeout=(self.timeout_seconds, self.timeout_seconds))
+            response = self._session.send(self._prepared(url, bearer_token), allow_redirects=True,
+                                          timeout=(self.timeout_seconds, self.timeout_seconds),
+                                          **self._environment(url, verify))
         except requests.Timeout:
             raise FetchError(f"timed out after {self.timeout_seconds:g}s") from None
         except requests.exceptions.SSLError as error:
@@ -218,6 +221,32 @@ class HttpFetcher:
                 raise FetchError(f"response over {self.max_response_bytes} bytes")
             body = self._read_body(response, deadline)
         return body.decode(response.encoding or "utf-8", errors="replace")
+
+    # Session.get rebuilds the request and re-reads the proxy environment and ~/.netrc at every call:
+    # over a third of a poll's CPU (benchmarks/results/profile_before.txt). Both are the same for a
+    # target from one poll to the next, so they are built once per (URL, token) and (URL, verify).
+
+    def _prepared(self, url: str, bearer_token: str | None) -> requests.PreparedRequest:
+        key = (url, bearer_token)
+        prepared = self._requests.get(key)
+        if prepared is None:
+            if len(self._requests) > MAX_CACHED_REQUESTS:
+                self._requests.clear()  # targets come and go: never grow without bound
+            headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
+            prepared = self._session.prepare_request(requests.Request("GET", url, headers=headers))
+            self._requests[key] = prepared
+        return prepared
+
+    def _environment(self, url: str, verify: bool | str) -> dict[str, object]:
+        """Proxies, CA bundle and the like from the environment, as Session.get would apply them."""
+        key = (url, verify)
+        settings = self._settings.get(key)
+        if settings is None:
+            if len(self._settings) > MAX_CACHED_REQUESTS:
+                self._settings.clear()
+            settings = self._session.merge_environment_settings(url, {}, True, verify, None)
+            self._settings[key] = settings
+        return settings
 
     def _read_body(self, response: requests.Response, deadline: float) -> bytes:
         chunks: list[bytes] = []
