@@ -128,7 +128,10 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stepbudget-fetch-watchdog", daemon=True)
                 self._thread.start()
-            self._condition.notify()
+            if self._heap[0][2] is armed:
+                # Wake the watchdog only for a new earliest deadline: with one timeout for every
+                # fetch that is only the first of a poll, not a thread switch per target.
+                self._condition.notify()
         return armed
 
     def disarm(self, armed: _Armed) -> None:
