@@ -238,3 +238,14 @@ def test_chart_refuses_statefulset_mode_where_pods_have_no_index_label() -> None
     default = subprocess.run([helm, "template", "sb", str(CHART), "--kube-version", "1.25.0"],
                              capture_output=True, text=True, check=False)
     assert default.returncode == 0, default.stderr  # Deployment mode keeps the chart's 1.25 floor
+
+
+def test_check_config_knows_the_shard_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from exporter.cli import main
+
+    good = write(tmp_path, "shard: {index: 2, count: 4}\n" + textwrap.dedent(MINIMAL))
+    assert main(["check-config", str(good)]) == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("shard: {index: 4, count: 4}\n" + textwrap.dedent(MINIMAL))
+    assert main(["check-config", str(bad)]) == 2
+    assert f"{bad}:1: shard: index must satisfy 0 <= index < count" in capsys.readouterr().err
