@@ -359,11 +359,18 @@ class Poller:
         self._forget_gone(targets)
         futures = {target.key: self._executor.submit(self._poll_target, target) for target in targets}
         readings: list[Reading] = []
+        abandoned = 0
         for target in targets:
             try:
                 readings.extend(futures[target.key].result())
+            except concurrent.futures.CancelledError:
+                abandoned += 1  # stop() cancelled the queued fetches: the daemon is shutting down
             except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
                 log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+        if abandoned:
+            # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
+            log.info("poll_cycle_abandoned", reason="stopping", targets_not_polled=abandoned)
+            return PollResult(self._readings, self._clock())
         result = PollResult(tuple(readings), self._clock())
         self._readings = result.readings
         self._polls_done += 1

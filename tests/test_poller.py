@@ -444,3 +444,35 @@ def test_gzip_pages_are_read_and_the_cap_counts_decoded_bytes(page_server: PageS
             fetcher(page_server.url, bearer_token=None, tls=Tls())
     finally:
         fetcher.close()
+
+
+def test_stopping_mid_cycle_logs_one_line_not_a_traceback_per_target(clock: ManualClock,
+                                                                       make_poller: MakePoller) -> None:
+    """A rolling restart stops the daemon mid-poll: the queued fetches are cancelled. That is routine,
+    so it is one info line naming how many targets were not polled, and no half cycle is published."""
+    from exporter.poller import MAX_FETCH_WORKERS
+
+    queued = 5
+    urls = [f"http://127.0.0.1:1/{index}/metrics" for index in range(MAX_FETCH_WORKERS + queued)]
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def blocking_fetch(url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        entered.release()
+        release.wait(timeout=10)
+        return busy_page()
+
+    poller = make_poller(make_config(urls), clock, fetch=blocking_fetch)
+    results = []
+    with capture_logs() as logs:
+        cycle = threading.Thread(target=lambda: results.append(poller.poll_once()))
+        cycle.start()
+        for _ in range(MAX_FETCH_WORKERS):  # every worker is busy; the rest wait in the queue
+            assert entered.acquire(timeout=10)
+        poller.stop()
+        release.set()
+        cycle.join(timeout=10)
+    assert not cycle.is_alive()
+    assert [line for line in logs if line["event"] == "poll_target_crashed"] == []
+    (abandoned,) = [line for line in logs if line["event"] == "poll_cycle_abandoned"]
+    assert abandoned["targets_not_polled"] == queued
+    assert results[0].readings == () and poller.readings() == ()
