@@ -343,6 +343,23 @@ class AlertLoop:
                 log.warning("alertmanager_post_failed", url=url, alerts=len(alerts),
                             reason=f"{type(error).__name__}: {str(error)[:200]}")
 
+    def active(self) -> list[dict[str, object]]:
+        """Every alert whose condition holds now, pending or firing, shaped like the `alerts` of
+        Prometheus's `GET /api/v1/alerts` so the same tools and habits read it."""
+        with self._lock:
+            return [
+                {
+                    "labels": {"alertname": alert.rule.name, "severity": alert.rule.severity, **alert.labels},
+                    "annotations": {"summary": alert.rule.summary,
+                                    "description": render(alert.rule.description, alert.labels, alert.value),
+                                    "runbook_url": alert.rule.runbook_url},
+                    "state": "pending" if alert.fired_at is None else "firing",
+                    "activeAt": _iso(alert.active_since),
+                    "value": repr(alert.value),
+                }
+                for alert in self._alerts.values() if alert.resolved_at is None
+            ]
+
     def firing(self) -> list[dict[str, str]]:
         """Labels of the alerts firing now (for the landing page and tests)."""
         with self._lock:

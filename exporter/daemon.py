@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import signal
 import threading
 import time
@@ -31,7 +32,7 @@ from exporter.discovery import Discovery
 from exporter.errors import InputError
 from exporter.logs import configure_logging
 from exporter.poller import HttpFetcher, Poller
-from exporter.server import StepBudgetServer, TargetRow
+from exporter.server import Response, StepBudgetServer, TargetRow
 from exporter.sharding import ShardedDiscovery, parse_shard, shard_from_config, shard_section
 
 log = structlog.get_logger("stepbudget.daemon")
@@ -45,7 +46,7 @@ class Daemon:
     config: Config
     poller: Poller
     server: StepBudgetServer
-    alert_loop: AlertLoop | None
+    alert_loop: AlertLoop
     fetcher: HttpFetcher
 
 
@@ -139,12 +140,18 @@ def build_daemon(config: Config) -> Daemon:
     registry = make_registry(poller.readings, config.deployments)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
                               targets=lambda: _target_rows(poller))
-    alert_loop = None
-    if config.alerting.alertmanager_urls:
-        alert_loop = AlertLoop(config.alerting, poll_interval_seconds=config.poll_interval_seconds,
-                               generator_url=f"http://{host or _hostname()}:{server.port}/")
-        poller.add_listener(alert_loop.on_poll)
+    # The loop always evaluates, so `GET /api/v1/alerts` shows pending and firing alerts; it posts
+    # to Alertmanager only when `alerting.alertmanager_urls` is set.
+    alert_loop = AlertLoop(config.alerting, poll_interval_seconds=config.poll_interval_seconds,
+                           generator_url=f"http://{host or _hostname()}:{server.port}/")
+    poller.add_listener(alert_loop.on_poll)
+    server.register_route("GET", "/api/v1/alerts", lambda request: _alerts_response(alert_loop))
     return Daemon(config, poller, server, alert_loop, fetcher)
+
+
+def _alerts_response(alert_loop: AlertLoop) -> Response:
+    body = {"status": "success", "data": {"alerts": alert_loop.active()}}
+    return Response(200, json.dumps(body).encode(), "application/json")
 
 
 def _hostname() -> str:

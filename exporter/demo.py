@@ -8,8 +8,8 @@ What a newcomer runs first (`make demo`), with nothing but Python:
   3. the real daemon (`stepbudget serve`) as a child process, with a generated config file holding
      the calibrated bandwidth and overhead, polling both pools;
   4. a view of the daemon's own /metrics, refreshed every poll: tokens in flight against the token
-     budget, predicted and measured step time, per-user tokens/s, and which alert conditions hold
-     (the expressions of rules/stepbudget.alerts.yaml evaluated on the exported series).
+     budget, predicted and measured step time, per-user tokens/s, and the daemon's own pending and
+     firing alerts (its `GET /api/v1/alerts`, the conditions of rules/stepbudget.alerts.yaml).
 `--duration S` ends it after S seconds with a summary; otherwise Ctrl-C ends it. Everything it
 started is stopped on the way out.
 """
@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -80,30 +81,12 @@ class TargetView:
         return self.values.get(name)
 
 
-# Alert conditions, as in rules/stepbudget.alerts.yaml, on one target's exported series.
-def _over(a: float | None, b: float | None) -> bool:
-    return a is not None and b is not None and a > b
-
-
-CONDITIONS: dict[str, Callable[[TargetView, TargetView | None], bool]] = {
-    "PredictedStepOverBudget": lambda v, _: _over(v.get("predicted_step_seconds"), v.get("step_budget_seconds")),
-    "MeasuredStepOverBudget": lambda v, _: _over(v.get("measured_step_seconds"), v.get("step_budget_seconds")),
-    "PrefillInterference": lambda v, _: _over(v.get("measured_step_seconds"), v.get("step_budget_seconds"))
-    and not _over(v.get("predicted_memory_step_seconds"), v.get("step_budget_seconds")),
-    "PredictionDrift": lambda v, _: abs(v.get("prediction_error_ratio") or 0.0) > 0.15,
-    "KVCacheNearlyFull": lambda v, _: (v.get("kv_cache_usage_ratio") or 0.0) > 0.95,
-    "Preemptions": lambda v, previous: previous is not None
-    and (v.get("preemptions_total") or 0.0) > (previous.get("preemptions_total") or 0.0),
-    "TargetDown": lambda v, _: v.get("target_up") == 0,
-}
-
-
 @dataclass
 class Tally:
     """What the summary reports per target."""
 
     polls: int = 0
-    condition_polls: dict[str, int] = field(default_factory=dict)
+    alert_polls: dict[str, int] = field(default_factory=dict)  # polls in which each alert was active
     max_predicted_step_seconds: float = 0.0
     max_measured_step_seconds: float = 0.0
     max_tokens_in_flight: float = 0.0
@@ -211,6 +194,22 @@ def read_targets(metrics_url: str) -> list[TargetView]:
     return sorted(views.values(), key=lambda v: v.deployment)
 
 
+# (deployment, target) -> the alerts active there: (short name, state, seconds since it became active)
+ActiveAlerts = dict[tuple[str, str], list[tuple[str, str, float]]]
+
+
+def read_alerts(alerts_url: str, now_unix_seconds: float) -> ActiveAlerts:
+    """The daemon's pending and firing alerts, from its own alert loop (`GET /api/v1/alerts`)."""
+    alerts: ActiveAlerts = {}
+    for alert in requests.get(alerts_url, timeout=HTTP_TIMEOUT_SECONDS).json()["data"]["alerts"]:
+        labels = alert["labels"]
+        active_at = datetime.fromisoformat(alert["activeAt"].replace("Z", "+00:00")).timestamp()
+        name = labels["alertname"].removeprefix("StepBudget")
+        key = (labels.get("deployment", ""), labels.get("target", ""))
+        alerts.setdefault(key, []).append((name, alert["state"], max(0.0, now_unix_seconds - active_at)))
+    return alerts
+
+
 def _ms(seconds: float | None) -> str:
     return "    -   " if seconds is None else f"{seconds * 1e3:6.1f} ms"
 
@@ -219,8 +218,7 @@ def _tokens(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def render_view(views: list[TargetView], previous: dict[tuple[str, str], TargetView], pools: dict[str, Pool],
-                held_since: dict[tuple[str, str, str], float], now: float, metrics_url: str) -> str:
+def render_view(views: list[TargetView], alerts: ActiveAlerts, pools: dict[str, Pool], metrics_url: str) -> str:
     lines = [f"stepbudget demo — the daemon's view ({metrics_url}), refreshed every poll; Ctrl-C stops", ""]
     for view in views:
         pool = pools.get(view.deployment)
@@ -239,30 +237,23 @@ def render_view(views: list[TargetView], previous: dict[tuple[str, str], TargetV
             f"  per-user speed    predicted {view.get('predicted_user_tokens_per_second') or 0:6.1f} tok/s   measured "
             f"{(1 / measured) if measured else 0:6.1f} tok/s",
         ]
-        holding = []
-        for name, condition in CONDITIONS.items():
-            key = (view.deployment, view.target, name)
-            if condition(view, previous.get((view.deployment, view.target))):
-                held_since.setdefault(key, now)
-                holding.append(f"{name} ({now - held_since[key]:.0f} s)")
-            else:
-                held_since.pop(key, None)
-        lines.append("  alerts            " + (", ".join(holding) if holding else "none — within budget"))
+        active = alerts.get((view.deployment, view.target), [])
+        shown = [f"{name} {state} for {seconds:.0f} s" for name, state, seconds in sorted(active)]
+        lines.append("  alerts            " + (", ".join(shown) if shown else "none — within budget"))
         lines.append("")
     if not views:
         lines.append("(waiting for the daemon's first poll)")
-    lines.append("Conditions as in rules/stepbudget.alerts.yaml; an alert fires once one has held for its `for` "
-                 "(5m for the page).")
+    lines.append("Alerts from the daemon's own loop (the rules of rules/stepbudget.alerts.yaml): pending until "
+                 "the condition has held for its `for` (5m for the page), then firing.")
     return "\n".join(lines)
 
 
-def tally_views(views: list[TargetView], previous: dict[tuple[str, str], TargetView], tallies: dict[str, Tally]) -> None:
+def tally_views(views: list[TargetView], alerts: ActiveAlerts, tallies: dict[str, Tally]) -> None:
     for view in views:
         tally = tallies.setdefault(view.deployment, Tally())
         tally.polls += 1
-        for name, condition in CONDITIONS.items():
-            if condition(view, previous.get((view.deployment, view.target))):
-                tally.condition_polls[name] = tally.condition_polls.get(name, 0) + 1
+        for name, _, _ in alerts.get((view.deployment, view.target), []):
+            tally.alert_polls[name] = tally.alert_polls.get(name, 0) + 1
         tally.max_predicted_step_seconds = max(tally.max_predicted_step_seconds, view.get("predicted_step_seconds") or 0)
         tally.max_measured_step_seconds = max(tally.max_measured_step_seconds, view.get("measured_step_seconds") or 0)
         tally.max_tokens_in_flight = max(tally.max_tokens_in_flight, view.get("tokens_in_flight") or 0)
@@ -275,14 +266,14 @@ def summary(tallies: dict[str, Tally], pools: dict[str, Pool], wall_seconds: flo
     for deployment, tally in tallies.items():
         pool = pools.get(deployment)
         simulated = "" if pool is None else f" ({pool.scenario}, {pool.handle.simulator.now_seconds:,.0f} s simulated)"
-        over = tally.condition_polls.get("PredictedStepOverBudget", 0)
+        over = tally.alert_polls.get("PredictedStepOverBudget", 0)
         verdict = f"OVER BUDGET in {over} of {tally.polls} polls" if over else f"within budget in all {tally.polls} polls"
         lines.append(f"  {deployment}{simulated}: {verdict}; predicted step up to "
                      f"{_ms(tally.max_predicted_step_seconds).strip()}, measured up to "
                      f"{_ms(tally.max_measured_step_seconds).strip()} (budget {_ms(tally.step_budget_seconds).strip()});"
                      f" tokens in flight up to {_tokens(tally.max_tokens_in_flight)} of a {_tokens(tally.token_budget_tokens)}"
                      f" token budget")
-        others = {name: count for name, count in tally.condition_polls.items() if name != "PredictedStepOverBudget"}
+        others = {name: count for name, count in tally.alert_polls.items() if name != "PredictedStepOverBudget"}
         if others:
             lines.append("    also held: " + ", ".join(f"{name} ({count} polls)" for name, count in others.items()))
     return "\n".join(lines)
@@ -366,35 +357,34 @@ def _run(args: argparse.Namespace, duration: float | None, poll_seconds: float, 
           f"scrape_configs: [{{job_name: stepbudget, static_configs: [{{targets: ['127.0.0.1:{port}']}}]}}])",
           flush=True)
     by_name = {pool.deployment: pool for pool in pools}
-    tallies, elapsed_seconds = _watch(metrics_url, by_name, poll_seconds, duration, process, stop)
+    tallies, elapsed_seconds = _watch(daemon_url, by_name, poll_seconds, duration, process, stop)
     print(summary(tallies, by_name, elapsed_seconds), flush=True)
     print(f"the daemon's metrics were at {metrics_url}", flush=True)
     return 0
 
 
-def _watch(metrics_url: str, pools: dict[str, Pool], poll_seconds: float, duration: float | None,
+def _watch(daemon_url: str, pools: dict[str, Pool], poll_seconds: float, duration: float | None,
            process: subprocess.Popen[bytes], stop: threading.Event) -> tuple[dict[str, Tally], float]:
     """Refresh the view every poll until the duration ends, Ctrl-C or SIGTERM; (tallies, seconds)."""
     interactive = sys.stdout.isatty()
-    previous: dict[tuple[str, str], TargetView] = {}
-    held_since: dict[tuple[str, str, str], float] = {}
+    metrics_url = f"{daemon_url}/metrics"
     tallies: dict[str, Tally] = {}
     began = time.monotonic()
-    for now in _ticks(poll_seconds, duration, stop):
+    for _ in _ticks(poll_seconds, duration, stop):
         if process.poll() is not None:
             print(f"stepbudget demo: the daemon exited with code {process.returncode}", file=sys.stderr)
             break
         try:
             views = read_targets(metrics_url)
+            alerts = read_alerts(f"{daemon_url}/api/v1/alerts", time.time())
         except requests.RequestException as error:
-            print(f"stepbudget demo: cannot read {metrics_url}: {error}", file=sys.stderr)
+            print(f"stepbudget demo: cannot read the daemon at {daemon_url}: {error}", file=sys.stderr)
             continue
         order = list(pools)
         views.sort(key=lambda v: order.index(v.deployment) if v.deployment in order else len(order))
-        text = render_view(views, previous, pools, held_since, now - began, metrics_url)
+        text = render_view(views, alerts, pools, metrics_url)
         if any(v.get("predicted_step_seconds") is not None for v in views):
-            tally_views(views, previous, tallies)
-        previous = {(v.deployment, v.target): v for v in views}
+            tally_views(views, alerts, tallies)
         print(("\x1b[H\x1b[2J" if interactive else "\n") + text, flush=True)
     return tallies, time.monotonic() - began
 

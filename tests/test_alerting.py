@@ -297,3 +297,24 @@ def test_over_budget_alert_reaches_a_real_alertmanager_and_resolves(alertmanager
     clock.advance(1)
     alerts.evaluate([reading()], clock.now)
     wait_until(lambda: page_firing() == [])
+
+
+def test_active_view_shows_pending_then_firing_without_any_alertmanager(clock: ManualClock) -> None:
+    """With no Alertmanager configured the loop still evaluates: `active()` (served by the daemon as
+    GET /api/v1/alerts) shows the page pending, then firing once it has held for `for`, then gone."""
+    recorder = Recorder()
+    alerts = AlertLoop(Alerting(), poll_interval_seconds=15, clock=clock, post=recorder)
+    over = reading(predicted_step_seconds=0.030)  # budget 0.018
+    alerts.evaluate([over], clock())
+    (pending,) = alerts.active()
+    assert pending["state"] == "pending" and pending["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
+    assert seconds(pending["activeAt"]) == clock() and float(pending["value"]) == 0.030
+    page_for_seconds = next(rule.for_seconds for rule in RULES if rule.name == PAGE_ALERT)
+    clock.advance(page_for_seconds)
+    alerts.evaluate([over], clock())
+    (firing,) = alerts.active()
+    assert firing["state"] == "firing" and seconds(firing["activeAt"]) == clock() - page_for_seconds
+    assert "has been 30ms, over its step budget" in firing["annotations"]["description"]  # humanizeDuration(0.030)
+    clock.advance(15)
+    alerts.evaluate([reading()], clock())
+    assert alerts.active() == [] and recorder.posts == []

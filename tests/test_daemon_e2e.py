@@ -183,6 +183,10 @@ def test_serve_posts_the_page_to_a_real_alertmanager(page_server: PageServer, da
                                "deployment": "chat", "target": page_server.url[7:-8],
                                "model_name": "Qwen/Qwen3-8B", "engine": "0"}
     assert alert["generatorURL"] == f"{base}/"
+    # The same alert, as the daemon itself reports it (Prometheus's /api/v1/alerts shape).
+    served = requests.get(f"{base}/api/v1/alerts", timeout=5).json()
+    [own] = [a for a in served["data"]["alerts"] if a["labels"]["alertname"] == "StepBudgetPredictedStepOverBudget"]
+    assert served["status"] == "success" and own["state"] == "firing" and own["labels"] == alert["labels"]
     code, logs = stop_daemon(process, signal.SIGTERM)
     assert code == 0
     assert any(line["event"] == "alert_firing" for line in logs)
