@@ -149,18 +149,18 @@ def parse_split(text: str | None) -> float:
     return value
 
 
-def run_pools(plan: Any, args: argparse.Namespace) -> int:
-    """Called by `plan` when --pools is given, with the Plan it built (setup, target, headroom, loads)."""
+def run_if_asked(plan: Any, args: argparse.Namespace) -> int | None:
+    """`plan` calls this with the Plan it built: with --pools, print the pools comparison and
+    return the exit code; without, None (and --split alone is an error)."""
+    if not getattr(args, "pools", False):
+        if getattr(args, "split", None) is not None:
+            raise InputError("--split only applies with --pools")
+        return None
     loads = plan.load_prediction.loads if plan.load_prediction is not None else ()
     pools = plan_pools(plan.setup, loads, parse_split(args.split),
                        target_tokens_per_second=plan.target_tokens_per_second, headroom=plan.headroom)
     print(json.dumps(pools_to_json(pools), indent=2) if args.json else format_pools(pools))
     return 0
-
-
-def check_split_needs_pools(args: argparse.Namespace) -> None:
-    if getattr(args, "split", None) is not None and not getattr(args, "pools", False):
-        raise InputError("--split only applies with --pools")
 
 
 def _speed_json(pool: PoolSpeed | None) -> dict[str, Any] | None:

@@ -16,8 +16,7 @@ from exporter.deployment import build_setup
 from exporter.errors import InputError
 from exporter.model import RequestGroup
 from exporter.pools import (
-    DEFAULT_SPLIT_TOKENS, add_pools_arguments, check_split_needs_pools, parse_split, plan_pools, pools_to_json,
-    run_pools, split_loads,
+    DEFAULT_SPLIT_TOKENS, add_pools_arguments, parse_split, plan_pools, pools_to_json, run_if_asked, split_loads,
 )
 from exporter.presets import get_model_preset
 
@@ -90,7 +89,8 @@ def test_bad_input_names_the_flag(setup) -> None:
             parse_split(text)
     assert parse_split("32,000") == 32_000 and parse_split(None) == DEFAULT_SPLIT_TOKENS
     with pytest.raises(InputError, match="--split only applies with --pools"):
-        check_split_needs_pools(argparse.Namespace(split="1000", pools=False))
+        run_if_asked(None, argparse.Namespace(split="1000", pools=False))
+    assert run_if_asked(None, argparse.Namespace(split=None, pools=False)) is None
 
 
 def run_with_plan_args(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -101,7 +101,7 @@ def run_with_plan_args(argv: list[str], capsys: pytest.CaptureFixture[str]) -> s
     args = parser.parse_args(argv)
     plan = planner.build_plan(planner.resolve_from_args(args), target_tokens_per_second=float(args.target_tps),
                               headroom=float(args.headroom), loads=[planner.parse_load(t) for t in args.load])
-    assert run_pools(plan, args) == 0
+    assert run_if_asked(plan, args) == 0
     return capsys.readouterr().out
 
 
