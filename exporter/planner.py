@@ -20,6 +20,8 @@ from exporter import model
 from exporter.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.errors import InputError
 from exporter.model import RequestGroup, ServingSetup, StepPrediction
+from exporter.pools import add_pools_arguments
+from exporter.pools import run_if_asked as run_pools_if_asked
 from exporter.units import parse_duration_seconds, parse_size_bytes
 
 DEFAULT_MODEL = "qwen3-8b"
@@ -153,6 +155,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE.png", help="write per-user tok/s vs tokens in flight to a PNG")
+    add_pools_arguments(parser)  # --pools, --split: exporter/pools.py
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -422,6 +425,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.plot:
         write_plot(plan, args.plot)
+    pools_exit_code = run_pools_if_asked(plan, args)
+    if pools_exit_code is not None:
+        return pools_exit_code
     if args.json:
         print(json.dumps(plan_to_json(plan), indent=2))
     else:

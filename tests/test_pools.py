@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from exporter import planner
+from exporter.cli import main
 from exporter.deployment import build_setup
 from exporter.errors import InputError
 from exporter.model import RequestGroup
 from exporter.pools import (
-    DEFAULT_SPLIT_TOKENS, add_pools_arguments, parse_split, plan_pools, pools_to_json, run_if_asked, split_loads,
+    DEFAULT_SPLIT_TOKENS, parse_split, plan_pools, pools_to_json, run_if_asked, split_loads,
 )
 from exporter.presets import get_model_preset
 
@@ -93,20 +93,15 @@ def test_bad_input_names_the_flag(setup) -> None:
     assert run_if_asked(None, argparse.Namespace(split=None, pools=False)) is None
 
 
-def run_with_plan_args(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    parser = argparse.ArgumentParser()
-    planner.build_parser(parser)
-    if not any(action.dest == "pools" for action in parser._actions):
-        add_pools_arguments(parser)
-    args = parser.parse_args(argv)
-    plan = planner.build_plan(planner.resolve_from_args(args), target_tokens_per_second=float(args.target_tps),
-                              headroom=float(args.headroom), loads=[planner.parse_load(t) for t in args.load])
-    assert run_if_asked(plan, args) == 0
-    return capsys.readouterr().out
+def run_plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def test_json_output_carries_each_class(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_with_plan_args(["--pools", "--split", "32000", "--load", "40x2000", "--load", "2x100000", "--json"], capsys)
+    code, out, _ = run_plan(["--pools", "--split", "32000", "--load", "40x2000", "--load", "2x100000", "--json"], capsys)
+    assert code == 0
     document = json.loads(out)
     assert document["split_tokens"] == 32_000
     assert document["shared"]["predicted_tokens_per_second_per_user"] == pytest.approx(speed(280_000), rel=1e-9)
@@ -116,7 +111,8 @@ def test_json_output_carries_each_class(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_text_output_is_a_table_per_class(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_with_plan_args(["--pools", "--load", "40x2000", "--load", "2x100000"], capsys)
+    code, out, _ = run_plan(["--pools", "--load", "40x2000", "--load", "2x100000"], capsys)
+    assert code == 0
     short_row = next(line for line in out.splitlines() if line.startswith("short (<= 32,000)"))
     assert "40x2,000" in short_row and f"{speed(280_000):,.1f} tok/s" in short_row
     assert f"{speed(80_000):,.1f} tok/s" in short_row
@@ -131,3 +127,20 @@ def test_at_a_slow_target_the_kv_cache_not_the_speed_sets_the_replicas(setup) ->
     assert budget_tokens > 400_000 > capacity_tokens  # four sessions meet 20 tok/s but do not fit
     assert pools.kv_capacity_tokens == capacity_tokens
     assert pools.long is not None and pools.long.replicas_for_target == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--split", "32000", "--load", "40x2000"], "--split only applies with --pools"),
+    (["--pools"], "--pools needs the mix"),
+    (["--pools", "--split", "many", "--load", "40x2000"], "--split 'many': expected a number of tokens"),
+])
+def test_plan_pools_bad_input_exits_2_with_one_line(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_plan(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("stepbudget plan: error: ") and message in err and err.count("\n") == 1
+
+
+def test_plan_without_pools_is_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_plan(["--load", "40x2000", "--json"], capsys)
+    assert code == 0 and "shared" not in json.loads(out) and "predicted_tokens_per_second_per_user" in json.loads(out)
