@@ -357,12 +357,21 @@ class Poller:
     def poll_once(self) -> PollResult:
         targets = self._discovery.discover()
         self._forget_gone(targets)
-        futures = {target.key: self._executor.submit(self._poll_target, target) for target in targets}
+        futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
+        for target in targets:
+            try:
+                futures[target.key] = self._executor.submit(self._poll_target, target)
+            except RuntimeError:  # stop() shut the pool down while this cycle was still submitting
+                break
         readings: list[Reading] = []
         abandoned = 0
         for target in targets:
+            future = futures.get(target.key)
+            if future is None:
+                abandoned += 1
+                continue
             try:
-                readings.extend(futures[target.key].result())
+                readings.extend(future.result())
             except concurrent.futures.CancelledError:
                 abandoned += 1  # stop() cancelled the queued fetches: the daemon is shutting down
             except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
