@@ -8,7 +8,6 @@ count reaches the rank, interpolate linearly between its lower and upper edge.
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from exporter.engines import read_page
 from exporter.snapshot import Histogram, Snapshot
 from exporter.window import compute_window, histogram_quantile
+from tests.tools import require_tool
 
 EDGES = ("0.01", "0.025", "0.05")
 
@@ -122,7 +122,6 @@ def test_quantile_edge_cases_match_promql() -> None:
     assert histogram_quantile(0.5, ((0.1, 4.0), (0.2, 2.0), (inf, 4.0))) == pytest.approx(0.1 * 2 / 4)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 @pytest.mark.parametrize(
     "before, after",
     [([10, 30, 40, 40], [15, 75, 90, 90]), ([0, 0, 0, 0], [8, 8, 8, 8]), ([0, 0, 0, 0], [0, 1, 1, 10]), ([1, 2, 3, 4], [1, 2, 9, 12])],
@@ -153,7 +152,7 @@ def test_median_agrees_with_real_promql(tmp_path: Path, before: list[float], aft
             """
         ).format(series=series, value=window.measured_step_median_seconds)
     )
-    result = subprocess.run(["promtool", "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([require_tool("promtool"), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
