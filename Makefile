@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 
-.PHONY: demo test venv tools promtool helm test-python test-rules dashboards chart-sync lint-rules bench clean
+.PHONY: demo test venv tools promtool helm test-rules dashboards chart-sync bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,11 @@ $(TOOLS)/helm: scripts/install-helm.sh
 
 tools: promtool helm
 
+# The promtool lint and rule unit tests run inside pytest (tests/test_rules.py), with mutation tests.
 test: $(STAMP) tools
-	$(MAKE) test-rules
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The rule checks alone, for a quick loop while editing rules/.
 test-rules:
 	promtool check rules --lint=all --lint-fatal rules/*.yaml
 	promtool test rules tests/rules/*_test.yaml
