@@ -357,10 +357,11 @@ class Poller:
     def poll_once(self) -> PollResult:
         targets = self._discovery.discover()
         self._forget_gone(targets)
+        tokens = self._bearer_tokens(targets)
         futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
         for target in targets:
             try:
-                futures[target.key] = self._executor.submit(self._poll_target, target)
+                futures[target.key] = self._executor.submit(self._poll_target, target, tokens[target.deployment])
             except RuntimeError:  # stop() shut the pool down while this cycle was still submitting
                 break
         readings: list[Reading] = []
@@ -400,14 +401,27 @@ class Poller:
                 if target.key not in self._states:
                     self._states[target.key] = TargetState(target)
 
-    def _poll_target(self, target: Target) -> list[Reading]:
+    def _bearer_tokens(self, targets: Sequence[Target]) -> dict[str, str | None | Exception]:
+        """Each deployment's bearer token (or why it cannot be read), read once per poll: a token
+        file is one file for all of a deployment's targets, not one read per target per poll."""
+        tokens: dict[str, str | None | Exception] = {}
+        for name in {target.deployment for target in targets}:
+            try:
+                tokens[name] = self._deployments[name].auth.bearer_token()
+            except Exception as error:  # noqa: BLE001 - OSError (token file) and the like: each target fails
+                tokens[name] = error
+        return tokens
+
+    def _poll_target(self, target: Target, bearer_token: str | None | Exception) -> list[Reading]:
         deployment = self._deployments[target.deployment]
         state = self._states[target.key]
         started = self._monotonic()
+        if isinstance(bearer_token, Exception):
+            return self._failed(state, _reason(bearer_token), self._monotonic() - started)
         try:
-            text = self._fetch(target.url, bearer_token=deployment.auth.bearer_token(), tls=deployment.tls)
+            text = self._fetch(target.url, bearer_token=bearer_token, tls=deployment.tls)
             page = self._read_page(text, deployment.engine)
-        except Exception as error:  # noqa: BLE001 - FetchError, PageError, OSError (token file), anything
+        except Exception as error:  # noqa: BLE001 - FetchError, PageError, anything
             return self._failed(state, _reason(error), self._monotonic() - started)
         duration = self._monotonic() - started
         return self._succeeded(state, deployment, page, duration)

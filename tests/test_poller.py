@@ -478,3 +478,49 @@ def test_stopping_mid_cycle_logs_one_line_not_a_traceback_per_target(clock: Manu
     (abandoned,) = [line for line in logs if line["event"] == "poll_cycle_abandoned"]
     assert abandoned["targets_not_polled"] == queued
     assert results[0].readings == () and poller.readings() == ()
+
+
+def test_bearer_token_file_is_read_once_per_poll_and_a_missing_one_fails_each_target(
+        tmp_path, clock: ManualClock, make_poller: MakePoller, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every target of a deployment gets its token; the file is read once per poll, not once per
+    target, and still at every poll (Kubernetes rotates it in place)."""
+    from exporter.config import Auth
+
+    token_file = tmp_path / "token"
+    token_file.write_text("first\n")
+    reads = []
+    original = Auth.bearer_token
+
+    def counted(self: Auth) -> str | None:
+        reads.append(self.bearer_token_file)
+        return original(self)
+
+    monkeypatch.setattr(Auth, "bearer_token", counted)
+    urls = [f"http://127.0.0.1:1/{index}/metrics" for index in range(3)]
+    sent: list[tuple[str, str | None]] = []
+
+    def fetch(url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        sent.append((url, bearer_token))
+        return busy_page()
+
+    config = config_from_mapping({
+        "poll_interval": "15s", "stale_after": "60s", "timeout": "2s",
+        "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                         "auth": {"bearer_token_file": str(token_file)}, "targets": {"static": urls}}],
+    })
+    poller = make_poller(config, clock, fetch=fetch)
+    poller.poll_once()
+    assert sorted(sent) == [(url, "first") for url in sorted(urls)]
+    assert reads == [str(token_file)]
+    token_file.write_text("rotated\n")
+    sent.clear()
+    poller.poll_once()
+    assert sorted(sent) == [(url, "rotated") for url in sorted(urls)]
+    assert len(reads) == 2
+    token_file.unlink()
+    sent.clear()
+    with capture_logs() as logs:
+        readings = poller.poll_once().readings
+    assert sent == [] and len(readings) == 3 and not any(reading.target_up for reading in readings)
+    down = [line for line in logs if line["event"] == "target_down"]
+    assert len(down) == 3 and all(line["reason"].startswith("FileNotFoundError") for line in down)
