@@ -136,12 +136,6 @@ class _Gateway:
             self.schedule(at, self.chat_request(pending.user, at))
 
 
-def _clip(spec: ServerSpec, prompt: int, output: int) -> tuple[int, int]:
-    """Fit the model's context window, as the simulator does for its own scenario requests."""
-    prompt = min(prompt, spec.max_model_len - 1)
-    return prompt, max(1, min(output, spec.max_model_len - prompt))
-
-
 def gateway_config(poll_interval_seconds: float) -> Config:
     """Two deployments of Qwen3-8B on H100s: chats (50 tok/s) and the long-context pool (20 tok/s)."""
     def deployment(name: str, target: str, speed: float) -> dict[str, Any]:
@@ -182,7 +176,7 @@ def run_agents_join(mode: str, *, until_seconds: float = AGENTS_JOIN_SECONDS + 1
         gateway.schedule(at, gateway.chat_request(user, at))
     spec = sims[AGENTS_TARGET].spec
     for _ in range(agents.count):
-        prompt, output = _clip(spec, agents.prompt_tokens.draw(gateway.rng), agents.output_tokens.draw(gateway.rng))
+        prompt, output = spec.fit_context(agents.prompt_tokens.draw(gateway.rng), agents.output_tokens.draw(gateway.rng))
         gateway.schedule(agents.at_seconds, _Pending("agent", prompt, output, agents.at_seconds,
                                                      leave_at_seconds=agents.leave_at_seconds))
 

@@ -58,6 +58,11 @@ class ServerSpec:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    def fit_context(self, prompt_tokens: int, output_tokens: int) -> tuple[int, int]:
+        """A scenario draw clipped to the context window rather than rejected."""
+        prompt_tokens = min(prompt_tokens, self.max_model_len - 1)
+        return prompt_tokens, max(1, min(output_tokens, self.max_model_len - prompt_tokens))
+
 
 @dataclass
 class SimRequest:
@@ -223,9 +228,7 @@ class Simulator:
 
     def _add_scenario_request(self, group_name: str, prompt: int, output: int,
                               closed_loop: tuple[ClosedLoopGroup, int] | None, leave_at: float | None) -> None:
-        # Scenario draws are clipped to the context window rather than rejected.
-        prompt = min(prompt, self.spec.max_model_len - 1)
-        output = max(1, min(output, self.spec.max_model_len - prompt))
+        prompt, output = self.spec.fit_context(prompt, output)
         on_finish = None
         if closed_loop is not None:
             group, user = closed_loop
