@@ -13,8 +13,6 @@ from exporter.errors import InputError
 from exporter.model import Architecture, ServingSetup
 from exporter.presets import Gpu, get_gpu, get_model_preset
 
-BANDWIDTH_SOURCES = ("configured", "calibrated", "default")
-
 
 @dataclass(frozen=True)
 class ResolvedSetup:
@@ -72,7 +70,7 @@ def build_setup(
         if not 0 < value <= 1:
             raise InputError(f"{name} must be in (0, 1], got {value!r}")
     weight_bytes_per_param = model.dtype_bytes(weight_dtype, "weight dtype")
-    kv_bytes = 2.0 if kv_cache_dtype.strip().lower() == "auto" else model.dtype_bytes(kv_cache_dtype, "kv cache dtype")
+    kv_bytes = model.dtype_bytes(kv_cache_dtype, "kv cache dtype")  # DTYPE_BYTES has "auto": 16-bit
     if bandwidth_bytes_per_second is None:
         bandwidth = bandwidth_efficiency * gpu_preset.peak_bandwidth_bytes_per_second
         source = "default"
