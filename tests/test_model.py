@@ -308,6 +308,9 @@ def test_the_budget_fits_its_step_budget(name: str, target: float, context: floa
     if budget > 0:
         groups = model._groups_of_context(budget, context)
         assert model.predict_step(setup, groups).step_seconds <= step_budget * (1 + 1e-12)
+    # And it is the most that fits: one more token (the solver stops within half a token) misses.
+    more = model._groups_of_context(budget + 1, context)
+    assert model.predict_step(setup, more).step_seconds > step_budget
 
 
 def test_architecture_rejects_ssm_attention_kinds() -> None:
