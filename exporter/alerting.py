@@ -257,12 +257,12 @@ class AlertLoop:
 
     def evaluate(self, readings: Sequence[Reading], now: float) -> list[dict[str, object]]:
         """Advance every alert's state to `now`; post what is due; return what was posted."""
+        # Each reading's labels and series key once per poll, for the history and for every rule.
+        labelled = [(reading, labels := reading.labels, tuple(sorted(labels.items()))) for reading in readings]
         with self._lock:
-            self._record(readings, now)
+            self._record(labelled, now)
             active: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
-            for reading in readings:
-                labels = reading.labels
-                series = tuple(sorted(labels.items()))
+            for reading, labels, series in labelled:
                 history = self._history[series]
                 for rule in self.rules:
                     value = rule.condition(reading, history)
@@ -290,10 +290,10 @@ class AlertLoop:
             self._send(due)
         return due
 
-    def _record(self, readings: Iterable[Reading], now: float) -> None:
+    def _record(self, labelled: Iterable[tuple[Reading, dict[str, str], tuple[tuple[str, str], ...]]],
+                now: float) -> None:
         seen = set()
-        for reading in readings:
-            series = tuple(sorted(reading.labels.items()))
+        for reading, _, series in labelled:
             seen.add(series)
             history = self._history.setdefault(series, History())
             if reading.preemptions_total is not None:
