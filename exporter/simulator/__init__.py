@@ -8,7 +8,7 @@ Public API:
   * `ServerSpec`, `HardwareTruth`, `load_scenario(name_or_yaml_path)`, `builtin_scenarios()`.
 """
 
-from exporter.simulator.engine import ServerSpec, SimRequest, Simulator, StepRecord, median
+from exporter.simulator.engine import ServerSpec, SimRequest, Simulator, StepRecord
 from exporter.simulator.hardware import HardwareTruth
 from exporter.simulator.scenarios import (
     AGENTS_JOIN_SECONDS,
@@ -22,6 +22,6 @@ from exporter.simulator.server import ServerHandle, start_server
 
 __all__ = [
     "AGENTS_JOIN_SECONDS", "AGENTS_LEAVE_SECONDS", "HardwareTruth", "Scenario", "ServerHandle", "ServerSpec",
-    "SimRequest", "Simulator", "StepRecord", "builtin_scenarios", "load_scenario", "median", "scenario_from_dict",
+    "SimRequest", "Simulator", "StepRecord", "builtin_scenarios", "load_scenario", "scenario_from_dict",
     "start_server",
 ]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -463,15 +462,6 @@ class Simulator:
         counters.waiting = float(len(self.waiting))
         # vLLM's block-pool usage: 1 - free / total (vllm/v1/core/block_pool.py get_usage).
         counters.kv_usage_ratio = 1.0 - self.free_blocks / self.num_gpu_blocks
-
-
-def median(values: list[float]) -> float:
-    """Median of a list (used by tests and benchmarks over StepRecords)."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
 def single_stream_token_seconds(spec: ServerSpec, context_tokens: int, output_tokens: int) -> list[float]:
