@@ -194,7 +194,12 @@ def test_live_cli_prints_the_json_keys(stub: Stub, capsys: pytest.CaptureFixture
     assert {"effective_bandwidth_bytes_per_second", "step_overhead_seconds", "points", "agrees",
             "spread_ratio"} <= set(out)
     assert [p["tokens_in_flight"] for p in out["points"]] == [256, 100_000]
+    assert [p["read_bytes"] for p in out["points"]] == [qwen3_read_bytes(256), qwen3_read_bytes(100_000)]
     assert all(p["chunks"] == 6 for p in out["points"])
+    # Sleeps overshoot by a scheduling delay (as in the test above): the slope rests on the gaps' difference.
+    slack_seconds = 0.002
+    difference = (qwen3_read_bytes(100_000) - qwen3_read_bytes(256)) / bandwidth
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(bandwidth, rel=2 * slack_seconds / difference)
     assert [r["model"] for r in stub.requests] == ["chosen", "chosen"]
 
 
