@@ -332,11 +332,6 @@ class AdmissionBook:
             state = self._targets.get((deployment, target))
             return 0.0 if state is None else self._accounted(state)
 
-    def open_admissions(self) -> list[Admission]:
-        with self._lock:
-            self._expire(self._clock())
-            return [admission for state in self._targets.values() for admission in state.admissions.values()]
-
     # --- internals (called with the lock held) --------------------------------------------------
 
     def _resolve(self, request: AdmissionRequest) -> tuple[str, str | None]:
