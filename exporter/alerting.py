@@ -224,6 +224,18 @@ def post_alerts(url: str, alerts: list[dict[str, object]], timeout_seconds: floa
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
 
 
+def _described(alert: _Alert) -> dict[str, object]:
+    """An alert's labels and annotations, as both Alertmanager's API and `GET /api/v1/alerts` carry them."""
+    return {
+        "labels": {"alertname": alert.rule.name, "severity": alert.rule.severity, **alert.labels},
+        "annotations": {
+            "summary": alert.rule.summary,
+            "description": render(alert.rule.description, alert.labels, alert.value),
+            "runbook_url": alert.rule.runbook_url,
+        },
+    }
+
+
 def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -319,15 +331,9 @@ class AlertLoop:
         return due
 
     def _payload(self, alert: _Alert, now: float) -> dict[str, object]:
-        labels = {"alertname": alert.rule.name, "severity": alert.rule.severity, **alert.labels}
         ends_at = alert.resolved_at if alert.resolved_at is not None else now + self._valid_for_seconds
         payload: dict[str, object] = {
-            "labels": labels,
-            "annotations": {
-                "summary": alert.rule.summary,
-                "description": render(alert.rule.description, alert.labels, alert.value),
-                "runbook_url": alert.rule.runbook_url,
-            },
+            **_described(alert),
             "startsAt": _iso(alert.fired_at or now),
             "endsAt": _iso(ends_at),
         }
@@ -349,10 +355,7 @@ class AlertLoop:
         with self._lock:
             return [
                 {
-                    "labels": {"alertname": alert.rule.name, "severity": alert.rule.severity, **alert.labels},
-                    "annotations": {"summary": alert.rule.summary,
-                                    "description": render(alert.rule.description, alert.labels, alert.value),
-                                    "runbook_url": alert.rule.runbook_url},
+                    **_described(alert),
                     "state": "pending" if alert.fired_at is None else "firing",
                     "activeAt": _iso(alert.active_since),
                     "value": repr(alert.value),
