@@ -365,9 +365,8 @@ def curve_points(plan: Plan, points: int = 200) -> tuple[list[float], list[float
     if plan.load_prediction is not None:
         top = max(top, plan.load_prediction.tokens_in_flight * 1.2)
     xs = [top * i / (points - 1) for i in range(points)]
-    # The model's own split of tokens into requests of one context (what its budget solver uses).
-    ys = [model.predict_step(plan.setup, model._groups_of_context(x, context) or [RequestGroup(1, 0.0)]).user_tokens_per_second
-          for x in xs]
+    # The step the model's budget solver checks: tokens split into requests of one context.
+    ys = [1.0 / model._step_at(plan.setup, x, context) for x in xs]
     return xs, ys
 
 
