@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import main
-from exporter.planner import build_plan, predict_loads, parse_load
+from exporter.planner import build_plan, curve_points, predict_loads, parse_load
 from exporter.deployment import build_setup
 from exporter.presets import get_model_preset
 from exporter.model import RequestGroup
@@ -110,6 +110,14 @@ def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     target = tmp_path / "plan.png"
     assert main(["plan", "--load", "40x2000", "--load", "2x100000", "--plot", str(target)]) == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_curve_is_the_per_user_speed_at_each_tokens_in_flight() -> None:
+    plan = build_plan(build_setup(get_model_preset("qwen3-8b"), "h100-sxm"))
+    xs, ys = curve_points(plan)
+    assert xs[0] == 0 and xs[-1] >= plan.kv_capacity_tokens
+    for x, y in zip(xs, ys):  # memory-bound all along: weights plus every token's KV, read once per step
+        assert y == pytest.approx(H100_EFFECTIVE / (QWEN3_WEIGHTS + QWEN3_KV * x), rel=1e-9)
 
 
 def test_predict_loads_adds_all_loads_into_one_step() -> None:
