@@ -714,11 +714,22 @@ def api_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic)
     raw = config.sections.get("admission")
     if not raw or not raw["enabled"]:
         return None
-    book = AdmissionBook(
+    return AdmissionApi(book_from_config(config, clock=clock), read_token_file(raw["token_file"]))
+
+
+def book_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic,
+                     with_pools: bool = True) -> AdmissionBook:
+    """An empty book for a daemon config's deployments (and its `pools`, unless `with_pools` is off)."""
+    return AdmissionBook(
         [DeploymentPolicy(d.name, d.target_tokens_per_second) for d in config.deployments],
-        pools_from_config(config), clock=clock, poll_interval_seconds=config.poll_interval_seconds,
+        pools_from_config(config) if with_pools else None, clock=clock,
+        poll_interval_seconds=config.poll_interval_seconds,
     )
-    return AdmissionApi(book, read_token_file(raw["token_file"]))
+
+
+def sync_at_every_poll(book: AdmissionBook, poller: Any) -> None:
+    """Feed each of the poller's results to the book: reconcile, suspend, forget (`AdmissionBook.sync`)."""
+    poller.add_listener(lambda result: book.sync(*measurements_from_readings(result.readings)))
 
 
 # --- the daemon: routes, poll listener, metrics ------------------------------------------------------
@@ -743,7 +754,7 @@ def install(daemon: Any) -> AdmissionApi | None:
 
     daemon.server.register_route("POST", "/v1/admission", route(api.admission))
     daemon.server.register_route("POST", "/v1/release", route(api.release))
-    daemon.poller.add_listener(lambda result: api.book.sync(*measurements_from_readings(result.readings)))
+    sync_at_every_poll(api.book, daemon.poller)
     daemon.server.registry.register(AdmissionCollector(api.book))
     return api
 

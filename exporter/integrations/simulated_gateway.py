@@ -24,9 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.admission import (
-    AdmissionBook, AdmissionRequest, DeploymentPolicy, measurements_from_readings, pools_from_config,
-)
+from exporter.admission import AdmissionBook, AdmissionRequest, book_from_config, sync_at_every_poll
 from exporter.config import Config, Tls, config_from_mapping
 from exporter.discovery import Discovery
 from exporter.poller import Poller
@@ -165,9 +163,7 @@ def run_agents_join(mode: str, *, until_seconds: float = AGENTS_JOIN_SECONDS + 1
     clock = _SimulatedClock()
     book = None
     if mode != "shared":
-        book = AdmissionBook([DeploymentPolicy(d.name, d.target_tokens_per_second) for d in config.deployments],
-                             pools_from_config(config) if mode == "pools" else None,
-                             clock=clock, poll_interval_seconds=poll_interval_seconds)
+        book = book_from_config(config, clock=clock, with_pools=mode == "pools")
     sims = {CHAT_TARGET: Simulator(ServerSpec(seed=seed)), AGENTS_TARGET: Simulator(ServerSpec(seed=seed + 1))}
     chats, agents = scenario_groups(load_scenario("agents-join"))
     gateway = _Gateway(sims, book, mode == "pools", chats, random.Random(seed), poll_interval_seconds)
@@ -186,7 +182,7 @@ def run_agents_join(mode: str, *, until_seconds: float = AGENTS_JOIN_SECONDS + 1
     poller = Poller(config, Discovery(config.deployments, timeout_seconds=1.0), fetch,
                     clock=clock, monotonic=clock)
     if book is not None:
-        poller.add_listener(lambda result: book.sync(*measurements_from_readings(result.readings)))
+        sync_at_every_poll(book, poller)
     try:
         _drive(gateway, poller, clock, until_seconds, tick_seconds, poll_interval_seconds)
     finally:
