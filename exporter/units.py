@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from exporter.errors import InputError
 
@@ -16,31 +17,26 @@ _DURATION_UNITS: dict[str, float] = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
-    """`80GB` -> 80e9, `4GiB` -> 4 * 2**30, `1e9` -> 1e9. Must be positive."""
+def _parse_with_unit(text: str | int | float, units: dict[str, float] | dict[str, int],
+                     unit_of: Callable[[str], str], what: str, unreadable: str) -> float:
+    """A number with an optional unit from `units` (a bare int or float is taken as is); must be positive."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
         match = _NUMBER_WITH_UNIT.match(str(text))
-        if not match or match.group(2).lower() not in _SIZE_UNITS:
-            raise InputError(
-                f"{what}: cannot read {text!r} as a size; use bytes or a unit such as 80GB or 4GiB"
-            )
-        value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+        if not match or unit_of(match.group(2)) not in units:
+            raise InputError(f"{what}: cannot read {text!r} as {unreadable}")
+        value = float(match.group(1)) * units[unit_of(match.group(2))]
     if not value > 0:
         raise InputError(f"{what}: must be greater than zero, got {text!r}")
     return value
+
+
+def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
+    """`80GB` -> 80e9, `4GiB` -> 4 * 2**30, `1e9` -> 1e9. Must be positive."""
+    return _parse_with_unit(text, _SIZE_UNITS, str.lower, what, "a size; use bytes or a unit such as 80GB or 4GiB")
 
 
 def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:
     """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, a bare number is seconds. Must be positive."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = _NUMBER_WITH_UNIT.match(str(text))
-        if not match or match.group(2) not in _DURATION_UNITS:
-            raise InputError(f"{what}: cannot read {text!r} as a duration; use e.g. 15s, 5m, 250ms")
-        value = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    if not value > 0:
-        raise InputError(f"{what}: must be greater than zero, got {text!r}")
-    return value
+    return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 15s, 5m, 250ms")
