@@ -174,10 +174,6 @@ class LoadPrediction:
         return self.step.tokens_in_flight
 
     @property
-    def step_seconds(self) -> float:
-        return self.step.step_seconds
-
-    @property
     def user_tokens_per_second(self) -> float:
         return self.step.user_tokens_per_second
 
