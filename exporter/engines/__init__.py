@@ -65,9 +65,12 @@ def _read(text: str | bytes, kind: str) -> PageReading:
     if kind != "auto" and kind not in ADAPTERS:
         raise PageError("unknown engine kind", f"{kind!r} (known: auto, {', '.join(ADAPTERS)})")
     scan = scan_page(text, ADAPTERS[kind].wanted() if kind != "auto" else _ALL_WANTED)
-    adapter = _detect(scan) if kind == "auto" else ADAPTERS[kind]
-    if adapter.families_present(scan) == 0:
-        raise PageError(f"no {adapter.kind} metrics", f"none of {', '.join(adapter.sample_names()[:3])}, ... on the page")
+    if kind == "auto":
+        adapter = _detect(scan)  # raises if no engine's families are on the page
+    else:
+        adapter = ADAPTERS[kind]
+        if adapter.families_present(scan) == 0:
+            raise PageError(f"no {adapter.kind} metrics", f"none of {', '.join(adapter.sample_names()[:3])}, ... on the page")
     snapshots, problems = _snapshots(adapter, scan)
     return PageReading(kind=adapter.kind, snapshots=snapshots, problems=tuple(dict.fromkeys(scan.problems + problems)))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Literal
 
 from exporter.engines.exposition import Labels, PageScan, histogram_from_samples, parse_value
@@ -220,11 +221,20 @@ class Adapter:
     extra_names: tuple[str, ...] = ()  # further exact sample names `finish` reads
     finish: Callable[[PageScan, Selection, list[Identity]], None] | None = None
 
-    def sample_names(self) -> tuple[str, ...]:
+    # Both are fixed by the specs and asked for several times per page: built once per adapter.
+    @cached_property
+    def _sample_names(self) -> tuple[str, ...]:
         return tuple(name for spec in self.specs for name in sample_names(spec))
 
+    @cached_property
+    def _wanted(self) -> frozenset[str]:
+        return frozenset(self._sample_names + self.extra_names)
+
+    def sample_names(self) -> tuple[str, ...]:
+        return self._sample_names
+
     def wanted(self) -> frozenset[str]:
-        return frozenset(self.sample_names() + self.extra_names)
+        return self._wanted
 
     def families_present(self, scan: PageScan) -> int:
         """How many of this engine's families have samples on the page (for kind detection)."""
