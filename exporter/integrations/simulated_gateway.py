@@ -168,7 +168,7 @@ def run_agents_join(mode: str, *, until_seconds: float = AGENTS_JOIN_SECONDS + 1
     chats, agents = scenario_groups(load_scenario("agents-join"))
     gateway = _Gateway(sims, book, mode == "pools", chats, random.Random(seed), poll_interval_seconds)
     for user in range(chats.users):
-        at = chats.start_seconds + chats.ramp_seconds * (user + gateway.rng.random()) / chats.users
+        at = chats.first_arrival_seconds(user, gateway.rng)
         gateway.schedule(at, gateway.chat_request(user, at))
     spec = sims[AGENTS_TARGET].spec
     for _ in range(agents.count):

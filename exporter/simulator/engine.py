@@ -197,8 +197,8 @@ class Simulator:
     def _plan_group(self, group: ClosedLoopGroup | PoissonGroup | ScriptedGroup) -> None:
         if isinstance(group, ClosedLoopGroup):
             for user in range(group.users):
-                at = group.start_seconds + group.ramp_seconds * (user + self._rng.random()) / group.users
-                self._schedule_arrival(at, lambda g=group, u=user: self._closed_loop_request(g, u))
+                self._schedule_arrival(group.first_arrival_seconds(user, self._rng),
+                                       lambda g=group, u=user: self._closed_loop_request(g, u))
         elif isinstance(group, PoissonGroup):
             self._schedule_arrival(group.start_seconds + self._rng.expovariate(group.rate_per_second),
                                    lambda g=group: self._poisson_request(g))

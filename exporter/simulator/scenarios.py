@@ -47,6 +47,10 @@ class ClosedLoopGroup:
     stop_seconds: float | None = None
     ramp_seconds: float = 10.0  # users start spread over this long, so their requests do not move in lockstep
 
+    def first_arrival_seconds(self, user: int, rng: random.Random) -> float:
+        """When `user` (0 to users - 1) sends its first request: a random moment in its share of the ramp."""
+        return self.start_seconds + self.ramp_seconds * (user + rng.random()) / self.users
+
 
 @dataclass(frozen=True)
 class PoissonGroup:
