@@ -183,6 +183,8 @@ class Discovery:
                  resolver: Resolver = socket.getaddrinfo,
                  kubernetes_client_factory: Callable[[str | None, float], Any] = kubernetes_client) -> None:
         self._deployments = tuple(deployments)
+        # Static targets never change: built once, not at every poll.
+        self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls] for d in self._deployments)
         self._timeout_seconds = timeout_seconds
         self._resolver = resolver
         self._client_factory = kubernetes_client_factory
@@ -193,8 +195,8 @@ class Discovery:
 
     def discover(self) -> list[Target]:
         targets: list[Target] = []
-        for deployment in self._deployments:
-            targets += [Target(deployment.name, url, target_label(url)) for url in deployment.static_urls]
+        for deployment, static in zip(self._deployments, self._static):
+            targets += static
             if deployment.dns is not None:
                 targets += self._guarded(deployment, "dns", lambda d=deployment: self._dns(d.name, d.dns))
             if deployment.kubernetes is not None:
