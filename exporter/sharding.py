@@ -12,6 +12,7 @@ every machine (Python's `hash()` of a string is salted per process and would res
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ def shard_weight(identity: str, index: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same targets come back every poll: hash each once
 def shard_of(identity: str, count: int) -> int:
     """The shard (0..count-1) that owns `identity`: the one with the highest weight (ties: lowest index)."""
     if count < 1:
