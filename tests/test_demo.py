@@ -10,20 +10,15 @@ import sys
 
 from exporter.demo import free_port_from
 from exporter.simulator import AGENTS_JOIN_SECONDS
+from tests.conftest import free_port
 
 SPEED = 20.0  # the agents join 6 s of wall time after the pools start
 DURATION_SECONDS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_demo_runs_for_its_duration_and_reports_the_agents_pool_over_budget() -> None:
     assert AGENTS_JOIN_SECONDS / SPEED < DURATION_SECONDS - 3  # the agents are in for several polls
-    port = _free_port()
+    port = free_port()
     result = subprocess.run(
         [sys.executable, "-m", "exporter.cli", "demo", "--duration", str(DURATION_SECONDS), "--speed", str(SPEED),
          "--port", str(port), "--poll-interval", "1s"],

@@ -9,7 +9,6 @@ scraped twice once, and that every dashboard query returns data.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -21,6 +20,7 @@ import pytest
 import requests
 import yaml
 
+from tests.conftest import free_port
 from tests.monitoring_support import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO, grafana_to_promql
 from tests.tools import require_tool
 
@@ -49,12 +49,6 @@ def exposition() -> str:
             extra = ',source="default"' if metric == "stepbudget_effective_bandwidth_bytes_per_second" else ""
             lines.append(f"{metric}{{{labels}{extra}}} {value}")
     return "\n".join(lines) + "\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -91,7 +85,7 @@ def prometheus(exporters: list[str], tmp_path: Path) -> Iterator[str]:
         "scrape_configs": [{"job_name": "stepbudget", "static_configs": [{"targets": exporters}]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
         [binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address={address}"],
