@@ -20,7 +20,7 @@ from exporter import model
 from exporter.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.errors import InputError
 from exporter.model import RequestGroup, ServingSetup, StepPrediction
-from exporter.pools import add_pools_arguments
+from exporter.pools import add_pools_arguments, loads_text
 from exporter.pools import run_if_asked as run_pools_if_asked
 from exporter.units import parse_duration_seconds, parse_size_bytes
 
@@ -338,11 +338,11 @@ def format_plan(plan: Plan) -> str:
     prediction = plan.load_prediction
     if prediction is not None:
         step = prediction.step
-        loads = " + ".join(f"{g.count}x{g.context_tokens:,.0f}" for g in prediction.loads)
         verdict = "meets" if step.step_seconds <= plan.step_budget_seconds else "MISSES"
         rows += [
-            ("loads", f"{loads}" + (f" + {prediction.prefill_tokens_per_step:,.0f}-token prefill chunk per step"
-                                    if prediction.prefill_tokens_per_step else "")),
+            ("loads", loads_text(prediction.loads)
+             + (f" + {prediction.prefill_tokens_per_step:,.0f}-token prefill chunk per step"
+                if prediction.prefill_tokens_per_step else "")),
             ("tokens in flight", f"{step.tokens_in_flight:,.0f} ({step.tokens_in_flight / plan.kv_capacity_tokens:.0%} of capacity)"
              if plan.kv_capacity_tokens else f"{step.tokens_in_flight:,.0f}"),
             ("predicted step", f"{step.step_seconds * 1e3:,.2f} ms (memory {step.memory_seconds * 1e3:,.2f} ms, "

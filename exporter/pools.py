@@ -191,7 +191,7 @@ def pools_to_json(pools: PoolsPlan) -> dict[str, Any]:
     }
 
 
-def _loads_text(loads: Sequence[RequestGroup]) -> str:
+def loads_text(loads: Sequence[RequestGroup]) -> str:
     return " + ".join(f"{g.count}x{g.context_tokens:,.0f}" for g in loads)
 
 
@@ -206,7 +206,7 @@ def format_pools(pools: PoolsPlan) -> str:
     for name, pool in (("short", pools.short), ("long", pools.long)):
         if pool is None:
             continue
-        rows.append((f"{name} ({'<=' if name == 'short' else '>'} {pools.split_tokens:,.0f})", _loads_text(pool.loads),
+        rows.append((f"{name} ({'<=' if name == 'short' else '>'} {pools.split_tokens:,.0f})", loads_text(pool.loads),
                      f"{shared.user_tokens_per_second:,.1f} tok/s", f"{pool.user_tokens_per_second:,.1f} tok/s",
                      _replicas_text(pool.replicas_for_target)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
