@@ -204,10 +204,6 @@ def _url(value: Any, where: _Where) -> str:
     return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
 
 
-def _path(value: Any, where: _Where) -> str:
-    return _string(value, where)
-
-
 def _existing_file(value: Any, where: _Where) -> str:
     path = _string(value, where)
     if not os.path.isfile(path):
@@ -232,11 +228,6 @@ def _list_of(item: Parser, *, non_empty: bool = True) -> Parser:
         return [_parse_at(item, element, where.child(index, lines[index])) for index, element in enumerate(value)]
 
     return parse
-
-
-def _str_list(value: Any, where: _Where) -> list[str]:
-    """A list of strings; a single string is accepted as a one-item list."""
-    return _list_of(_string)([value] if isinstance(value, str) else value, where)
 
 
 def _url_list(value: Any, where: _Where) -> list[str]:
