@@ -24,6 +24,7 @@ from starlette.routing import Route
 import exporter.admission as admission
 from exporter.admission_client import AdmissionClient
 from exporter.integrations.asgi import STATE_KEY, AdmissionMiddleware, estimate_prompt_tokens
+from tests.conftest import free_port
 from tests.test_admission_http import daemon_with_admission
 
 TOKEN = "gateway-token-456"
@@ -161,9 +162,7 @@ def test_other_paths_and_methods_pass_through_without_asking(stack: Stack, serve
 
 @pytest.mark.parametrize(("fail_open", "status"), [(True, 200), (False, 503)])
 def test_an_unreachable_daemon_fails_open_or_closed(fail_open: bool, status: int, served_gateway) -> None:
-    with socket.socket() as placeholder:  # a port nothing listens on
-        placeholder.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{placeholder.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on
     forwarded: list[str] = []
     gateway = served_gateway(gateway_app(AdmissionClient(dead, TOKEN, timeout_seconds=0.5), forwarded,
                                          fail_open=fail_open))

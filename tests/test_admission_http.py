@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -150,9 +149,7 @@ def test_a_wrong_token_is_401_and_a_bad_body_is_400_with_the_message(running: Ru
 
 
 def test_an_unreachable_daemon_raises_unavailable_within_the_timeout() -> None:
-    with socket.socket() as placeholder:  # a port that was free a moment ago: nothing listens there
-        placeholder.bind(("127.0.0.1", 0))
-        port = placeholder.getsockname()[1]
+    port = free_port()  # free a moment ago: nothing listens there
     client = AdmissionClient(f"http://127.0.0.1:{port}", TOKEN, timeout_seconds=0.5)
     with pytest.raises(AdmissionUnavailable):
         client.admit(10, 10, deployment="chat")
