@@ -351,7 +351,9 @@ def token_budget_tokens(
     return _solve_budget_numerically(setup, step_budget, context_tokens_per_request)
 
 
-def _step_at(setup: ServingSetup, tokens_in_flight: float, context: float) -> float:
+def step_seconds_at(setup: ServingSetup, tokens_in_flight: float, context: float) -> float:
+    """Predicted step with `tokens_in_flight` held by requests of `context` tokens each (the last
+    one shorter); an empty batch is one request of 0 tokens, i.e. the weights alone."""
     return predict_step(setup, [RequestGroup(1, 0.0)] if tokens_in_flight <= 0 else
                         _groups_of_context(tokens_in_flight, context)).step_seconds
 
@@ -365,20 +367,20 @@ def _groups_of_context(tokens_in_flight: float, context: float) -> list[RequestG
 
 def _solve_budget_numerically(setup: ServingSetup, step_budget: float, context: float) -> float:
     """Bisection: predicted step time never decreases as tokens in flight grow."""
-    if _step_at(setup, context, context) > step_budget:
+    if step_seconds_at(setup, context, context) > step_budget:
         # Even one request of this context misses: see whether a shorter single stream fits.
         low, high = 0.0, context
-        if _step_at(setup, 0.0, context) > step_budget:
+        if step_seconds_at(setup, 0.0, context) > step_budget:
             return 0.0
     else:
         low, high = context, 2 * context
-        while _step_at(setup, high, context) <= step_budget:
+        while step_seconds_at(setup, high, context) <= step_budget:
             low, high = high, high * 2
             if high > _BUDGET_SEARCH_CEILING_TOKENS:
                 return _BUDGET_SEARCH_CEILING_TOKENS
     while high - low > 0.5:
         middle = (low + high) / 2
-        if _step_at(setup, middle, context) <= step_budget:
+        if step_seconds_at(setup, middle, context) <= step_budget:
             low = middle
         else:
             high = middle

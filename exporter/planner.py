@@ -362,7 +362,7 @@ def curve_points(plan: Plan, points: int = 200) -> tuple[list[float], list[float
         top = max(top, plan.load_prediction.tokens_in_flight * 1.2)
     xs = [top * i / (points - 1) for i in range(points)]
     # The step the model's budget solver checks: tokens split into requests of one context.
-    ys = [1.0 / model._step_at(plan.setup, x, context) for x in xs]
+    ys = [1.0 / model.step_seconds_at(plan.setup, x, context) for x in xs]
     return xs, ys
 
 
