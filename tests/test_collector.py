@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter import __version__
 from exporter.collector import PER_TARGET, make_registry
 from exporter.config import Config, config_from_mapping
+from exporter.discovery import Discovery
 from exporter.poller import Poller
 from exporter.presets import get_gpu, get_model_preset
 from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, vllm_page
@@ -165,7 +166,7 @@ def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: Ma
     poller.poll_once()
     assert {labels["model_name"] for labels, _ in scrape(config, poller)["stepbudget_target_up"]} == {"old-model", "Qwen/Qwen3-8B"}
     first.serve_text(vllm_page(VllmState(model_name="new-model", running=1, kv_usage_ratio=0.1)))
-    poller._discovery._deployments = make_config([first.url]).deployments  # discovery now finds one target
+    poller._discovery = Discovery(make_config([first.url]).deployments, timeout_seconds=1.0)  # now finds one target
     poller.poll_once()
     samples = scrape(config, poller)
     assert [labels["model_name"] for labels, _ in samples["stepbudget_target_up"]] == ["new-model"]
