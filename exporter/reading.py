@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 # server has none, so the budget is quoted for this typical chat context.
 IDLE_CONTEXT_TOKENS = 2000.0
 
-# Values measured over the window between two polls: absent on a first poll, an idle window or a
-# counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
 # The per-target values the collector exports (every stepbudget_<name> but target_up).
 VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
                 "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
@@ -33,6 +31,8 @@ VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
                 "measured_step_median_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
                 "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio")
+# Values measured over the window between two polls: absent on a first poll, an idle window or a
+# counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
 WINDOW_FIELDS = ("measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio",
                  "prefill_tokens_per_step")
 
@@ -185,7 +185,7 @@ def _lacking(reading: Reading, snapshot: "Snapshot") -> tuple[str, ...]:
 
 
 def _value_of(reading: Reading, name: str) -> float | None:
-    return getattr(reading, name.removeprefix("target_") if name.startswith("target_") else name)
+    return getattr(reading, name.removeprefix("target_"))
 
 
 def _token_budget(setup: model.ServingSetup, budget_seconds: float, tokens: float | None,
