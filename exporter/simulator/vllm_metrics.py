@@ -224,8 +224,7 @@ class VllmPage:
     """Renders one simulated engine's counters as vLLM's /metrics page."""
 
     def __init__(self, version: str, model_name: str, max_model_len: int, cache_config: dict[str, str],
-                 engine_index: str = "0", created_unix_seconds: float | None = None,
-                 process_metrics: bool = True) -> None:
+                 engine_index: str = "0", created_unix_seconds: float | None = None) -> None:
         self.layout = version_layout(version)
         self.model_name = model_name
         self.engine_index = engine_index
@@ -239,10 +238,10 @@ class VllmPage:
             if family.kind == "histogram":
                 self.counters.histograms[family.key] = HistogramValue(edges[family.buckets])
         self.registry = CollectorRegistry(auto_describe=False)
-        if process_metrics:  # a real vLLM page carries the process's own python_*/process_* families
-            ProcessCollector(registry=self.registry)
-            PlatformCollector(registry=self.registry)
-            GCCollector(registry=self.registry)
+        # A real vLLM page carries the process's own python_*/process_* families.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.registry.register(_PageCollector(self))
 
     def render(self) -> bytes:
