@@ -20,7 +20,7 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 from tests.monitoring_support import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO, grafana_to_promql
 from tests.tools import require_tool
 
@@ -105,18 +105,9 @@ def _query(base: str, expr: str) -> list[dict]:
     return payload["data"]["result"]
 
 
-def _wait(condition: Callable[[], object], timeout: float = 40.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = condition()
-        except requests.ConnectionError:
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting on the live Prometheus")
-        time.sleep(0.25)
+def _wait(condition: Callable[[], object]) -> object:
+    """Wait on the live Prometheus (it answers nothing, or refuses, while it starts)."""
+    return wait_until(condition, timeout_seconds=40.0, interval_seconds=0.25)
 
 
 def _dashboard_queries() -> list[str]:
