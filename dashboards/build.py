@@ -203,7 +203,7 @@ def overview() -> dash.Dashboard:
         "flight against the token budget and KV capacity, and the signals behind each alert.",
     ).with_variable(query_variable(
         "target", "Target",
-        'label_values(stepbudget_target_up{deployment=~"$deployment", model_name=~"$model"}, target)'))
+        f"label_values(stepbudget_target_up{{{POOL_SELECTOR}}}, target)"))
     rows = [
         ("Step time against the budget", [
             timeseries(
