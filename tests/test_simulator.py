@@ -187,6 +187,7 @@ def test_yaml_scenario_loads() -> None:
     sim = Simulator(ServerSpec(), scenario)
     sim.run_until(90.0)
     assert sim.counters.running > 24  # chats + RAG prompts + the agent
+    assert {request.group for request in sim.running} == {"chat", "rag", "agent"}
 
 
 @pytest.mark.parametrize("document, message", [
