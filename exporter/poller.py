@@ -223,7 +223,9 @@ class HttpFetcher:
             if declared.isdigit() and int(declared) > self.max_response_bytes:
                 raise FetchError(f"response over {self.max_response_bytes} bytes")
             body = self._read_body(response, deadline)
-        return body.decode(response.encoding or "utf-8", errors="replace")
+        # The text exposition format is UTF-8 whatever the header says (Prometheus's exposition_formats
+        # spec); `requests` would guess ISO-8859-1 for a text/plain without charset and garble names.
+        return body.decode("utf-8", errors="replace")
 
     # Session.get rebuilds the request and re-reads the proxy environment and ~/.netrc at every call:
     # over a third of a poll's CPU (benchmarks/results/profile_before.txt). Both are the same for a

@@ -524,3 +524,16 @@ def test_bearer_token_file_is_read_once_per_poll_and_a_missing_one_fails_each_ta
     assert sent == [] and len(readings) == 3 and not any(reading.target_up for reading in readings)
     down = [line for line in logs if line["event"] == "target_down"]
     assert len(down) == 3 and all(line["reason"].startswith("FileNotFoundError") for line in down)
+
+
+def test_pages_are_read_as_utf8_even_without_a_charset(page_server: PageServer) -> None:
+    """`Content-Type: text/plain; version=0.0.4` names no charset; the format is UTF-8 all the same."""
+    model_name = "Qwen/Qwen3-8B-中文-ü"
+    page = f'vllm:num_requests_running{{engine="0",model_name="{model_name}"}} 3.0\n'
+    page_server.serve_text(page.encode("utf-8"))
+    fetcher = HttpFetcher(timeout_seconds=2.0, max_response_bytes=1 << 20)
+    try:
+        text = fetcher(page_server.url, bearer_token=None, tls=Tls())
+    finally:
+        fetcher.close()
+    assert model_name in text
