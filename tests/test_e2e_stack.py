@@ -275,9 +275,13 @@ def test_daemon_and_prometheus_raise_one_alert_in_alertmanager(stack: Stack) -> 
     in_alertmanager = [a for a in alertmanager_alerts(stack.alertmanager_url) if a["labels"]["alertname"] == PAGE]
     assert [a["labels"] for a in in_alertmanager] == [expected]
     assert in_alertmanager[0]["status"]["state"] == "active"
-    notified = {json.dumps(alert["labels"], sort_keys=True)
+    def notified() -> set[str]:
+        return {json.dumps(alert["labels"], sort_keys=True)
                 for alert in webhook_alerts(stack.webhook.recorded(), PAGE, "firing")}
-    assert notified <= {json.dumps(expected, sort_keys=True)}
+
+    # The receiver got the page, and only ever with this one label set (not one per sender).
+    wait_for(notified, timeout_seconds=30, deadline=stack.deadline, what=f"{PAGE} at the webhook", state=notified)
+    assert notified() == {json.dumps(expected, sort_keys=True)}
 
 
 # --- the numbers --------------------------------------------------------------------------------------
