@@ -44,6 +44,11 @@ def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], 
         adapter.finish(scan, selection, who_all)
     snapshots = []
     for who in who_all:
+        values = selection.values[who]
+        for name in adapter.absent_means_zero:
+            if name not in values and selection.missing[who].get(name, "").startswith("no "):
+                del selection.missing[who][name]
+                values[name] = 0.0
         missing = dict(adapter.not_offered) | selection.missing[who]
         snapshots.append(
             Snapshot(
@@ -51,7 +56,8 @@ def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], 
                 model_name=who[0],
                 engine=who[1],
                 missing=tuple(f"{name}: {why}" for name, why in missing.items()),
-                **selection.values[who],  # type: ignore[arg-type]
+                server_wide=tuple(sorted(selection.server_wide[who])),
+                **values,  # type: ignore[arg-type]
             )
         )
     return tuple(snapshots), selection.problems

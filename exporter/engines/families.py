@@ -6,6 +6,9 @@ A page can hold several series for what is one engine's one value:
   process's copy of the same engine state, so the largest is taken (summing would double count).
 - other extra labels (SGLang's `tp_rank` copies, `engine_type`): copies of one engine's state, the
   largest is taken and the page gets a problem line, since the adapter cannot tell which is right.
+- partition labels (SGLang's `is_streaming`; `priority` where the family has no `priority=""` total):
+  each request is counted under exactly one value, so the series are shares of the engine's total
+  and are summed, gauges included (each share is a different set of requests).
 Non-finite (NaN, ±Inf) and negative values are never passed on: the field becomes None with a note.
 """
 
@@ -31,6 +34,9 @@ class FamilySpec:
     names: tuple[str, ...]  # for histograms the base name (samples `_bucket`, `_count`, `_sum`)
     kind: Kind
     match: tuple[tuple[str, str], ...] = ()  # label values a series must carry (TGI's method="decode")
+    # A refinement older releases lack (their absence is handled downstream, with its own note):
+    # not listed in the snapshot's `missing`.
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,14 @@ class EngineLabels:
     model: tuple[str, ...]  # first present wins; none present -> ""
     engine: str | None  # absent on the series -> the series applies to every engine of its model
     process: str = "pid"
-    # (label, value) of the series that hold totals: a series carrying the label with another value
-    # is a breakdown and is skipped (SGLang with priority scheduling: totals under priority="").
+    # (label, value) of the series that hold totals: where a family has such a series, a series
+    # carrying the label with another value is a breakdown and is skipped. Where a family has no
+    # series with the total value, the label is a partition instead (SGLang 0.5.23 with priority
+    # scheduling: scheduler-side families carry priority="", tokenizer-side ones only each request's
+    # own priority; sglang/srt/metrics/collector.py).
     totals: tuple[tuple[str, str], ...] = ()
+    # Labels whose values split the requests into disjoint shares: summed (SGLang's is_streaming).
+    partitions: tuple[str, ...] = ()
 
 
 @dataclass
@@ -52,6 +63,9 @@ class Selection:
     values: dict[Identity, dict[str, object]] = field(default_factory=dict)
     missing: dict[Identity, dict[str, str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # Fields read from a series without an engine label while the model has several engines: one
+    # server-wide figure (SGLang's tokenizer-side families under --dp-size), not this engine's own.
+    server_wide: dict[Identity, set[str]] = field(default_factory=dict)
 
 
 def sample_names(spec: FamilySpec) -> tuple[str, ...]:
@@ -69,25 +83,39 @@ class Series:
     value: float
     process: str  # the `pid` label, "" when absent
     variant: tuple[tuple[str, str], ...]  # the remaining labels (tp_rank, method, ...)
+    share: tuple[tuple[str, str], ...] = ()  # partition labels: this series is one share of the total
 
 
 # sample name -> (model, engine or None when the series has no engine label) -> series
 Index = dict[str, dict[tuple[str, str | None], list[Series]]]
 
 
+def _total_labels(samples: list[tuple[Labels, float]], roles: EngineLabels) -> tuple[set[str], set[str]]:
+    """Which `totals` labels name a total series in this family, and which are partitions here."""
+    with_total = {label for label, total in roles.totals
+                  if any(labels.get(label, total) == total for labels, _ in samples)}
+    return with_total, {label for label, _ in roles.totals} - with_total
+
+
 def index_series(scan: PageScan, names: tuple[str, ...], roles: EngineLabels) -> Index:
     """Sorts every wanted sample by model and engine once, so each identity reads only its own."""
     skip = set(roles.model) | {roles.engine, roles.process, "le"} | {name for name, _ in roles.totals}
+    skip |= set(roles.partitions)
     index: Index = {}
     for name in names:
+        samples = scan.samples.get(name, [])
+        with_total, split_here = _total_labels(samples, roles) if roles.totals else (set(), set())
+        shares = tuple(sorted(split_here | set(roles.partitions)))
         by_who: dict[tuple[str, str | None], list[Series]] = {}
-        for labels, value in scan.samples.get(name, ()):
-            if any(labels.get(k, v) != v for k, v in roles.totals):
+        for labels, value in samples:
+            if any(labels.get(k, v) != v for k, v in roles.totals if k in with_total):
                 continue  # a breakdown (e.g. one priority), not the total
             model = next((labels[label] for label in roles.model if label in labels), "")
             engine = labels.get(roles.engine) if roles.engine else None
             variant = tuple(sorted((k, v) for k, v in labels.items() if k not in skip))
-            by_who.setdefault((model, engine), []).append(Series(labels, value, labels.get(roles.process, ""), variant))
+            share = tuple((k, labels[k]) for k in shares if k in labels)
+            by_who.setdefault((model, engine), []).append(
+                Series(labels, value, labels.get(roles.process, ""), variant, share))
         if by_who:
             index[name] = by_who
     return index
@@ -104,8 +132,12 @@ def identities(index: Index) -> list[Identity]:
     return sorted((model, engine) for model, found in engines.items() for engine in (found or {"0"}))
 
 
-def _series_for(index: Index, spec: FamilySpec, name: str, who: Identity) -> list[tuple[Labels, float, str, tuple]]:
-    """This identity's series of `name`: its own plus its model's engine-less (server-wide) ones."""
+Found = tuple[Labels, float, str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]
+
+
+def _series_for(index: Index, spec: FamilySpec, name: str, who: Identity) -> list[Found]:
+    """This identity's series of `name`: its own plus its model's engine-less (server-wide) ones,
+    as (labels, value, process, variant, share)."""
     by_who = index.get(name, {})
     found = []
     for series in by_who.get(who, []) + by_who.get((who[0], None), []):
@@ -115,23 +147,32 @@ def _series_for(index: Index, spec: FamilySpec, name: str, who: Identity) -> lis
                 continue
             keys = {k for k, _ in spec.match}
             variant = tuple(item for item in variant if item[0] not in keys)
-        found.append((series.labels, series.value, series.process, variant))
+        found.append((series.labels, series.value, series.process, variant, series.share))
     return found
 
 
-def _merge_scalars(groups: dict[tuple, dict[str, float]], kind: Kind) -> tuple[float, bool]:
-    per_variant = [sum(by_pid.values()) if kind == "counter" else max(by_pid.values()) for by_pid in groups.values()]
+# variant -> share -> process -> value
+Groups = dict[tuple[tuple[str, str], ...], dict[tuple[tuple[str, str], ...], dict[str, float]]]
+
+
+def _merge_scalars(groups: Groups, kind: Kind) -> tuple[float, bool]:
+    """Per variant: shares summed; within a share, processes summed (counters: each process's part)
+    or the largest taken (gauges: each process's copy). Several variants: the largest."""
+    per_variant = [
+        sum(sum(by_pid.values()) if kind == "counter" else max(by_pid.values()) for by_pid in shares.values())
+        for shares in groups.values()
+    ]
     return max(per_variant), len(per_variant) > 1
 
 
 def _scalar(index: Index, spec: FamilySpec, name: str, who: Identity, out: Selection) -> bool:
-    groups: dict[tuple, dict[str, float]] = {}
-    for labels, value, process, variant in _series_for(index, spec, name, who):
+    groups: Groups = {}
+    for labels, value, process, variant, share in _series_for(index, spec, name, who):
         if not math.isfinite(value) or value < 0:
             out.problems.append(f"{name}{labels} = {value}: not a valid {spec.kind} value, dropped")
             out.missing[who][spec.field] = f"{name} was {value} (not a valid value)"
             return True
-        groups.setdefault(variant, {})[process] = value
+        groups.setdefault(variant, {}).setdefault(share, {})[process] = value
     if not groups:
         return False
     value, several = _merge_scalars(groups, spec.kind)
@@ -142,11 +183,11 @@ def _scalar(index: Index, spec: FamilySpec, name: str, who: Identity, out: Selec
 
 
 def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Selection) -> bool:
-    # per (variant, process): buckets by le, count, sum
+    # per (variant, process, share): buckets by le, count, sum; processes and shares are then summed
     parts: dict[tuple, dict[str, object]] = {}
     for suffix in ("_bucket", "_count", "_sum"):
-        for labels, value, process, variant in _series_for(index, spec, base + suffix, who):
-            part = parts.setdefault((variant, process), {"buckets": []})
+        for labels, value, process, variant, share in _series_for(index, spec, base + suffix, who):
+            part = parts.setdefault((variant, process, share), {"buckets": []})
             if suffix == "_bucket":
                 edge = _edge(labels.get("le"))
                 if edge is None:
@@ -157,7 +198,7 @@ def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Se
     if not parts:
         return False
     built: dict[tuple, list[Histogram]] = {}
-    for (variant, process), part in parts.items():
+    for (variant, _process, _share), part in parts.items():
         histogram, why = histogram_from_samples(part["buckets"], part.get("_count"), part.get("_sum"))  # type: ignore[arg-type]
         if histogram is None:
             out.problems.append(f"histogram {base} for {who} dropped: {why}")
@@ -180,7 +221,7 @@ def _edge(le: str | None) -> float | None:
 
 
 def _sum_histograms(histograms: list[Histogram]) -> Histogram | None:
-    """Sum of per-process histograms (multiprocess shares); None if their edges differ."""
+    """Sum of per-process (multiprocess) or per-share histograms; None if their edges differ."""
     first = histograms[0]
     if len(histograms) == 1:
         return first
@@ -198,15 +239,28 @@ def _sum_histograms(histograms: list[Histogram]) -> Histogram | None:
 def select(index: Index, specs: tuple[FamilySpec, ...], who_all: list[Identity]) -> Selection:
     """Reads every spec's field for every identity; the first family present wins (even if invalid)."""
     out = Selection()
+    engines_of: dict[str, int] = {}
+    for model, _ in who_all:
+        engines_of[model] = engines_of.get(model, 0) + 1
     for who in who_all:
         out.values[who] = {}
         out.missing[who] = {}
+        out.server_wide[who] = set()
         for spec in specs:
             reader: Callable[..., bool] = _histogram if spec.kind == "histogram" else _scalar
-            found = any(reader(index, spec, name, who, out) for name in spec.names)
-            if not found:
-                out.missing[who][spec.field] = f"no {' or '.join(spec.names)} on the page"
+            name = next((name for name in spec.names if reader(index, spec, name, who, out)), None)
+            if name is None:
+                if not spec.optional:
+                    out.missing[who][spec.field] = f"no {' or '.join(spec.names)} on the page"
+            elif engines_of[who[0]] > 1 and _only_engine_less(index, spec, name, who):
+                out.server_wide[who].add(spec.field)
     return out
+
+
+def _only_engine_less(index: Index, spec: FamilySpec, name: str, who: Identity) -> bool:
+    sample = name + "_count" if spec.kind == "histogram" else name
+    by_who = index.get(sample, {})
+    return not by_who.get(who) and bool(by_who.get((who[0], None)))
 
 
 @dataclass(frozen=True)
@@ -218,6 +272,9 @@ class Adapter:
     roles: EngineLabels
     # Fields this engine never offers, with the reason `missing` gives.
     not_offered: tuple[tuple[str, str], ...] = ()
+    # Counters the engine creates only at their first increment: absent on a page that is otherwise
+    # this engine's means 0 so far (SGLang's num_retracted_requests_total).
+    absent_means_zero: tuple[str, ...] = ()
     extra_names: tuple[str, ...] = ()  # further exact sample names `finish` reads
     finish: Callable[[PageScan, Selection, list[Identity]], None] | None = None
 
@@ -225,6 +282,11 @@ class Adapter:
     @cached_property
     def _sample_names(self) -> tuple[str, ...]:
         return tuple(name for spec in self.specs for name in sample_names(spec))
+
+    @cached_property
+    def _core_names(self) -> tuple[str, ...]:
+        # Optional refinements do not make a page this engine's (a truncated histogram alone).
+        return tuple(name for spec in self.specs if not spec.optional for name in sample_names(spec))
 
     @cached_property
     def _wanted(self) -> frozenset[str]:
@@ -238,4 +300,4 @@ class Adapter:
 
     def families_present(self, scan: PageScan) -> int:
         """How many of this engine's families have samples on the page (for kind detection)."""
-        return sum(1 for name in self.sample_names() if scan.samples.get(name))
+        return sum(1 for name in self._core_names if scan.samples.get(name))
