@@ -25,7 +25,7 @@ from exporter.errors import InputError, UnsupportedModelError
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0, "float32": 4.0,
     "fp16": 2.0, "float16": 2.0, "half": 2.0, "bf16": 2.0, "bfloat16": 2.0, "auto": 2.0,
-    "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "int8": 1.0, "w8a8": 1.0,
+    "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "fp8_inc": 1.0, "int8": 1.0, "w8a8": 1.0,
     "int4": 0.5, "awq": 0.5, "gptq": 0.5, "w4a16": 0.5,
 }
 
@@ -302,6 +302,22 @@ def predict_step(
     )
 
 
+def predict_mean_step(
+    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_mix: Sequence[tuple[float, float]]
+) -> float:
+    """Mean step time over steps whose prefill tokens follow `prefill_mix` ((tokens, share) pairs).
+
+    A step is overhead + max(memory, compute): past the compute roof it grows with its tokens, so a
+    few steps carrying big prefill chunks cost more than the same tokens spread evenly over every
+    step. The mean of the steps is the mean ITL a server shows, not the step at the mean prefill.
+    """
+    total_share = sum(share for _, share in prefill_mix)
+    if not prefill_mix or total_share <= 0:
+        return predict_step(setup, groups).step_seconds
+    return sum(predict_step(setup, groups, tokens).step_seconds * share
+               for tokens, share in prefill_mix) / total_share
+
+
 def groups_from_total(tokens_in_flight: float, running_requests: float) -> list[RequestGroup]:
     """What a server's metrics allow: N running requests sharing T tokens, taken as N of T/N each.
 
@@ -388,6 +404,58 @@ def _solve_budget_numerically(setup: ServingSetup, step_budget: float, context: 
 
 
 # --- capacity --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HybridKvLayout:
+    """How vLLM V1's hybrid allocator lays out a sliding-window model's KV cache.
+
+    Layers of one attention type are cut into groups of `group_layers`; one block is one page for
+    every layer of one group, and all groups draw blocks from one pool (vLLM 0.33.0
+    vllm/v1/core/kv_cache_planning.py l. 416-555; kv_cache_coordinator.py l. 120). A token of
+    context costs 1/block_size blocks in every full-attention group, and in every sliding-window
+    group only while inside the window: such a group holds at most cdiv(window - 1, block_size) + 1
+    blocks of a decoding request (kv_cache_interface.py l. 938-944; blocks that slide out are freed
+    at the request's next step, single_type_kv_cache_manager.py l. 714, 1182).
+    """
+
+    group_layers: int
+    full_groups: int
+    sliding_groups: int
+    sliding_blocks_per_request: int  # blocks one decoding request holds in each sliding group
+
+
+def hybrid_kv_layout(arch: Architecture, block_size_tokens: int) -> HybridKvLayout | None:
+    """The layout for a model with both sliding-window and full-attention layers; None otherwise."""
+    sliding, full = arch.sliding_window_layers, arch.full_attention_layers
+    if not sliding or not full or not arch.sliding_window:
+        return None
+    smallest, largest = min(sliding, full), max(sliding, full)
+    # kv_cache_planning.py l. 521-532: the smaller type's layer count, unless the larger is under 1.5x it.
+    group_layers = largest if largest < 1.5 * smallest else smallest
+    return HybridKvLayout(
+        group_layers=group_layers,
+        full_groups=math.ceil(full / group_layers),
+        sliding_groups=math.ceil(sliding / group_layers),
+        sliding_blocks_per_request=math.ceil((arch.sliding_window - 1) / block_size_tokens) + 1,
+    )
+
+
+def context_from_blocks(layout: HybridKvLayout, blocks_per_request: float, block_size_tokens: int) -> float:
+    """Mean context per running request that holds `blocks_per_request` blocks of the shared pool.
+
+    Inverts blocks(C) = full_groups * C / bs + sliding_groups * min(C / bs, sliding blocks): within
+    the window every group grows with the context, past it only the full-attention groups do.
+    Approximate: it assumes equal contexts and ignores block rounding and shared prefix blocks.
+    """
+    if blocks_per_request <= 0:
+        return 0.0
+    groups = layout.full_groups + layout.sliding_groups
+    inside_window = groups * layout.sliding_blocks_per_request
+    if blocks_per_request <= inside_window:
+        return blocks_per_request / groups * block_size_tokens
+    return (blocks_per_request - layout.sliding_groups * layout.sliding_blocks_per_request) \
+        / layout.full_groups * block_size_tokens
 
 
 def blocks_for_tokens(tokens: float, block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS) -> int:

@@ -244,9 +244,12 @@ def vllm_page(*states: VllmState) -> str:
                 ("vllm:inter_token_latency_seconds_count", ids(s), s.itl_count),
                 ("vllm:inter_token_latency_seconds_sum", ids(s), s.itl_sum)]
     family("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.", itl)
+    # vLLM's front end sums num_gpu_blocks over its data-parallel engines and writes the sum on every
+    # engine's series (0.33.0 vllm/v1/engine/core_client.py l. 873-877).
+    summed_blocks = sum(s.num_gpu_blocks for s in states)
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
            [("vllm:cache_config_info", {"block_size": str(s.block_size), "cache_dtype": "auto", "engine": s.engine,
-                                        "num_gpu_blocks": str(s.num_gpu_blocks), "gpu_memory_utilization": "0.9"}, 1.0)
+                                        "num_gpu_blocks": str(summed_blocks), "gpu_memory_utilization": "0.9"}, 1.0)
             for s in states])
     return "\n".join(lines) + "\n"
 

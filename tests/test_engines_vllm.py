@@ -69,18 +69,21 @@ def test_prefers_kv_cache_size_tokens_then_blocks_times_block_size() -> None:
 
 
 def test_cache_config_applies_by_engine_to_every_model_on_it() -> None:
+    # As vLLM writes it: num_gpu_blocks is the front end's sum over both engines (150 + 150 blocks;
+    # 0.33.0 vllm/v1/engine/core_client.py l. 873-877), kv_cache_size_tokens is per engine.
     page = (
         'vllm:kv_cache_usage_perc{engine="0",model_name="a"} 0.5\n'
         'vllm:kv_cache_usage_perc{engine="1",model_name="a"} 0.25\n'
         'vllm:kv_cache_usage_perc{engine="0",model_name="b"} 0.75\n'
-        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
-        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="200"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="300"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="300",kv_cache_size_tokens="2400"} 1.0\n'
     )
     snaps = {(s.model_name, s.engine): s for s in read_page(page).snapshots}
     assert sorted(snaps) == [("a", "0"), ("a", "1"), ("b", "0")]
-    assert snaps["a", "0"].kv_cache_capacity_tokens == 100 * 16
-    assert snaps["a", "1"].kv_cache_capacity_tokens == 200 * 16
-    assert snaps["b", "0"].kv_cache_capacity_tokens == 100 * 16
+    assert snaps["a", "0"].kv_cache_capacity_tokens == 300 / 2 * 16
+    assert snaps["a", "1"].kv_cache_capacity_tokens == 2400
+    assert snaps["b", "0"].kv_cache_capacity_tokens == 300 / 2 * 16
+    assert snaps["a", "0"].kv_cache_blocks == 300 / 2
     assert (snaps["a", "1"].kv_cache_usage_ratio, snaps["b", "0"].kv_cache_usage_ratio) == (0.25, 0.75)
 
 

@@ -48,7 +48,10 @@ def test_mean_median_prefill_from_two_polls() -> None:
     # rank 0.5 x 50 = 25 falls in (0.01, 0.025] where cumulative goes 5 -> 45
     assert window.measured_step_median_seconds == pytest.approx(0.01 + (0.025 - 0.01) * (25 - 5) / (45 - 5))
     assert window.prefill_tokens_per_step == pytest.approx(600 / 150)
-    assert window.counter_reset is False and window.notes == ()
+    # The page has vllm:prompt_tokens_total only (no local_compute count): the window says so.
+    assert window.counter_reset is False
+    assert window.notes == ("prompt tokens include prefix-cache hits (the page has no computed-token count): "
+                            "prefill per step is an upper bound",)
 
 
 def test_median_in_the_first_bucket_starts_from_zero() -> None:
