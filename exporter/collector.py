@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from exporter import __version__, model
 from exporter.config import Deployment
-from exporter.reading import Reading
+from exporter.reading import ESTIMATE_REASONS, Reading, page_setup
 
 POLLED = " (from the last poll of the server's /metrics)"
 
@@ -112,24 +112,41 @@ class StepBudgetCollector(Collector):
                 bandwidth.add_sample(BANDWIDTH_METRIC, {**labels, "source": reading.bandwidth_source},
                                      reading.effective_bandwidth_bytes_per_second)
         yield bandwidth
-        yield from self._per_deployment()
+        estimated = Metric("stepbudget_estimated", "Marks a value that is an estimate, not read off the page: "
+                           "label quantity names the stepbudget_ series, reason why (docs/operations.md).", "info")
+        for reading, labels in labelled:
+            for quantity, reason in reading.estimated:
+                estimated.add_sample("stepbudget_estimated_info", {**labels, "quantity": quantity, "reason": reason}, 1.0)
+        yield estimated
+        yield from self._per_deployment(readings)
         build = Metric("stepbudget_build", "stepbudget build information.", "info")
         build.add_sample("stepbudget_build_info", {"version": __version__}, 1.0)
         yield build
 
-    def _per_deployment(self) -> Iterator[Metric]:
+    def _per_deployment(self, readings: Sequence[Reading]) -> Iterator[Metric]:
         kv = Metric("stepbudget_kv_bytes_per_token", "KV cache bytes one token costs per GPU, all layers.", "gauge")
         weights = Metric("stepbudget_weight_bytes", "Model weight bytes resident on each GPU.", "gauge")
-        info = Metric("stepbudget_model", "The model and hardware each deployment is predicted with.", "info")
+        info = Metric("stepbudget_model", "The model and hardware each deployment is predicted with; "
+                      "kv_cache_dtype is the servers' own where their pages say it (configured_kv_cache_dtype: the config's).",
+                      "info")
+        page_dtypes: dict[str, set[str]] = {}
+        for reading in readings:
+            if reading.kv_cache_dtype and reading.target_up:
+                page_dtypes.setdefault(reading.deployment, set()).add(reading.kv_cache_dtype)
         for deployment in self._deployments:
-            setup = deployment.resolved.setup
+            dtypes = page_dtypes.get(deployment.name, set())
+            page_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+            setup = page_setup(deployment.resolved.setup, page_dtype, None)
             arch = setup.architecture
             labels = {"deployment": deployment.name}
             kv.add_sample(kv.name, labels, model.kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel))
             weights.add_sample(weights.name, labels, model.weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
             info.add_sample("stepbudget_model_info", {
                 "deployment": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
-                "tensor_parallel": str(deployment.tensor_parallel), "kv_cache_dtype": deployment.kv_cache_dtype,
+                "tensor_parallel": str(deployment.tensor_parallel),
+                "kv_cache_dtype": page_dtype or deployment.kv_cache_dtype,
+                "configured_kv_cache_dtype": deployment.kv_cache_dtype,
+                "kv_cache_dtype_source": "page" if page_dtype else "config",
             }, 1.0)
         yield kv
         yield weights

@@ -28,10 +28,10 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from exporter import __version__
+from exporter import __version__, model
 from exporter.config import Config, Deployment, Tls
 from exporter.discovery import Discovery, Target
-from exporter.reading import Reading, derive_reading
+from exporter.reading import Reading, derive_reading, server_wide_reading
 
 log = structlog.get_logger("stepbudget.poller")
 
@@ -297,6 +297,9 @@ class TargetState:
     # Last good snapshot per (model_name, engine), the window's previous reading.
     previous: dict[tuple[str, str], object] = field(default_factory=dict)
     readings: list[Reading] = field(default_factory=list)
+    # What was last logged about the page, so a lasting condition is logged once per change.
+    problems: tuple[str, ...] = ()
+    page_settings: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -455,9 +458,16 @@ class Poller:
                      engines=[f"{s.model_name}/{s.engine}" for s in page.snapshots])  # type: ignore[attr-defined]
         if state.last_error is not None:
             log.info("target_up", deployment=deployment.name, target=target.target, after=state.last_error)
-        for problem in getattr(page, "problems", ()):
-            log.warning("page_problem", deployment=deployment.name, target=target.target, reason=problem)
+        problems = tuple(getattr(page, "problems", ()))
+        if problems != state.problems:
+            # Once per change: a page that stays truncated or odd for hours is one line, not one a poll.
+            for problem in problems:
+                log.warning("page_problem", deployment=deployment.name, target=target.target, reason=problem)
+            if state.problems and not problems:
+                log.info("page_problems_cleared", deployment=deployment.name, target=target.target)
+            state.problems = problems
         readings, previous = [], {}
+        server_wide: dict[str, tuple[list[Reading], object]] = {}
         for snapshot in page.snapshots:  # type: ignore[attr-defined]
             identity = (snapshot.model_name, snapshot.engine)
             window = self._compute_window(state.previous.get(identity), snapshot)
@@ -469,10 +479,39 @@ class Poller:
                                      scrape_duration_seconds=duration_seconds)
             readings.append(reading)
             previous[identity] = snapshot
+            if "inter_token_latency" in snapshot.server_wide:
+                server_wide.setdefault(snapshot.model_name, ([], window))[0].append(reading)
+        for ranks, window in server_wide.values():
+            whole = server_wide_reading(ranks, window)  # type: ignore[arg-type]
+            if whole is not None:
+                readings.append(whole)
+        self._log_page_settings(state, deployment, readings)
         self._log_partial(state, readings)
         state.kind, state.last_error, state.last_success_seconds = kind, None, now
         state.previous, state.readings = previous, readings
         return readings
+
+    def _log_page_settings(self, state: TargetState, deployment: Deployment, readings: Iterable[Reading]) -> None:
+        """The page's KV dtype and block size win over the config: say so once when they differ."""
+        configured = deployment.resolved.setup
+        settings = tuple(sorted({
+            (reading.engine, reading.kv_cache_dtype or "", str(reading.block_size_tokens or ""))
+            for reading in readings if reading.engine or reading.kv_cache_dtype
+        }))
+        if settings == state.page_settings:
+            return
+        state.page_settings = settings
+        for engine, dtype, block_size in settings:
+            page_bytes = model.DTYPE_BYTES.get(dtype.lower()) if dtype else None
+            dtype_differs = page_bytes is not None and page_bytes != configured.kv_bytes_per_element
+            block_differs = bool(block_size) and int(block_size) != configured.block_size_tokens
+            if dtype_differs or block_differs:
+                log.warning("page_overrides_config", deployment=deployment.name, target=state.target.target,
+                            engine=engine, page_kv_cache_dtype=dtype or None,
+                            configured_kv_cache_dtype=deployment.kv_cache_dtype,
+                            page_block_size=int(block_size) if block_size else None,
+                            configured_block_size=configured.block_size_tokens,
+                            using="the page's settings")
 
     def _log_partial(self, state: TargetState, readings: Iterable[Reading]) -> None:
         """Log the values a page does not allow, once per change, so a partial reading is never

@@ -54,7 +54,8 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     poller = make_poller(config, clock)
     first = VllmState(running=6, waiting=0, kv_usage_ratio=0.1, preemptions=3, prompt_tokens=1000, engine_steps=500,
                       itl_buckets={0.01: 10, 0.025: 60, 0.05: 100, 0.1: 100}, itl_count=100, itl_sum=1.5)
-    second = VllmState(running=8, waiting=2, kv_usage_ratio=0.3, preemptions=5, prompt_tokens=5000, engine_steps=700,
+    # 200 ITL observations of 6 to 8 running requests: 28 engine steps.
+    second = VllmState(running=8, waiting=2, kv_usage_ratio=0.3, preemptions=5, prompt_tokens=5000, engine_steps=528,
                        itl_buckets={0.01: 20, 0.025: 150, 0.05: 280, 0.1: 300}, itl_count=300, itl_sum=5.9)
     page_server.serve_text(vllm_page(first))
     poller.poll_once()
@@ -81,7 +82,7 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     # Median from bucket deltas as histogram_quantile: 200 observations, rank 100; deltas
     # 0.01:10, 0.025:90, 0.05:180 -> inside (0.025, 0.05], 10 of that bucket's 90 in.
     measured_median = 0.025 + (0.05 - 0.025) * (100 - 90) / (180 - 90)
-    prefill = (5000 - 1000) / (700 - 500)
+    prefill = (5000 - 1000) / (528 - 500)
     memory_step = (weights + kv_per_token * tokens) / bandwidth
     compute_step = 2 * arch.params * (8 + prefill) / compute
     predicted = max(memory_step, compute_step)
@@ -114,8 +115,11 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
 
     assert samples["stepbudget_kv_bytes_per_token"] == [({"deployment": "chat"}, kv_per_token)]
     assert samples["stepbudget_weight_bytes"] == [({"deployment": "chat"}, weights)]
+    # The page's cache_config_info says cache_dtype="auto", which agrees with the config's "auto".
     assert samples["stepbudget_model_info"] == [({"deployment": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
-                                                  "tensor_parallel": "1", "kv_cache_dtype": "auto"}, 1.0)]
+                                                  "tensor_parallel": "1", "kv_cache_dtype": "auto",
+                                                  "configured_kv_cache_dtype": "auto",
+                                                  "kv_cache_dtype_source": "page"}, 1.0)]
     assert samples["stepbudget_build_info"] == [({"version": __version__}, 1.0)]
 
 
