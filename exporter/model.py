@@ -163,8 +163,10 @@ class ServingSetup:
                 raise InputError(f"{name} must be greater than zero, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.step_overhead_seconds < 0 or self.reserved_memory_bytes < 0:
-            raise InputError("step_overhead_seconds and reserved_memory_bytes must not be negative")
+        for name, value in (("step_overhead_seconds", self.step_overhead_seconds),
+                            ("reserved_memory_bytes", self.reserved_memory_bytes)):
+            if not (math.isfinite(value) and value >= 0):
+                raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,14 @@ def test_bad_itl_points_name_the_expected_form(capsys: pytest.CaptureFixture[str
     assert "--itl" in capsys.readouterr().err
 
 
+def test_the_shared_flags_take_a_zero_overhead(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--itl", "0.0082@1000", "--step-overhead", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(qwen3_read_bytes(1000) / 0.0082)
+    assert main(["calibrate", "--itl", "0.0082@1000", "--step-overhead", "-1"]) == 2
+    assert "--step-overhead: cannot read '-1'" in capsys.readouterr().err
+
+
 # --- a streaming stub of an OpenAI-compatible server --------------------------------------------
 
 

@@ -205,6 +205,13 @@ def test_tensor_parallel_splits_weights_and_kv_heads_down_to_one_head_per_gpu() 
     assert model.kv_bytes_per_token(arch, 2.0, 16) == 2 * 32 * 1 * 128 * 2  # max(1, 8/16)
 
 
+@pytest.mark.parametrize("overhead", [-0.001, math.nan, math.inf])
+def test_a_setup_refuses_a_negative_or_non_finite_step_overhead(overhead: float) -> None:
+    with pytest.raises(InputError, match="step_overhead_seconds must be a finite number >= 0"):
+        qwen3_setup(step_overhead_seconds=overhead)
+    assert qwen3_setup(step_overhead_seconds=0.0).step_overhead_seconds == 0
+
+
 def test_step_is_overhead_plus_the_larger_of_memory_and_compute() -> None:
     setup = qwen3_setup(step_overhead_seconds=0.002)
     memory_bound = model.predict_step(setup, [RequestGroup(10, 1000)])

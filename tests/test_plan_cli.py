@@ -180,3 +180,25 @@ def test_weights_that_do_not_fit_are_flagged(capsys: pytest.CaptureFixture[str])
     assert main(["plan", "--model", "deepseek-v3"]) == 0
     assert "weights do not fit" in capsys.readouterr().out
 
+
+
+# --- issue 11: inputs the tools accepted but should not (and one they refused but should not) --
+
+
+def test_a_zero_step_overhead_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    """`calibrate` emits an overhead of 0 when the fit finds none; plan must take it back."""
+    for zero in ("0", "0ms", "0.0"):
+        out = plan_json(capsys, "--step-overhead", zero, "--load", "40x2000")
+        assert out["step_overhead_seconds"] == 0
+        assert out["predicted_step_seconds"] == pytest.approx((QWEN3_WEIGHTS + 40 * 2000 * QWEN3_KV) / H100_EFFECTIVE)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("-1ms", "--step-overhead: cannot read '-1ms' as a duration"),
+    ("nan", "--step-overhead: cannot read 'nan'"),
+    ("inf", "--step-overhead: cannot read 'inf'"),
+    ("1e999", "--step-overhead: must be a finite number, got '1e999'"),
+])
+def test_a_negative_or_non_finite_step_overhead_is_refused(capsys: pytest.CaptureFixture[str], value: str,
+                                                           expected: str) -> None:
+    assert expected in bad_input(capsys, "plan", f"--step-overhead={value}")
