@@ -578,14 +578,17 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Whe
                                                              where.child("calibration", lines.get("calibration")))
         overhead = calibrated_overhead if overhead is None else overhead
         calibrated = True
-    try:
-        architecture = load_architecture(raw["model"], raw["params"])
-    except InputError as error:
-        raise ConfigError(_message(where.child("model", lines.get("model")), str(error))) from None
-    try:
-        get_gpu(raw["gpu"])
-    except InputError as error:
-        raise ConfigError(_message(where.child("gpu", lines.get("gpu")), str(error))) from None
+
+    def at_key(key: str, check: Callable[[], Any]) -> Any:
+        """Run `check`; its InputError becomes a ConfigError at `key`'s line."""
+        try:
+            return check()
+        except InputError as error:
+            raise ConfigError(_message(where.child(key, lines.get(key)), str(error))) from None
+
+    architecture: Architecture = at_key("model", lambda: load_architecture(raw["model"], raw["params"]))
+    at_key("gpu", lambda: get_gpu(raw["gpu"]))
+    at_key("tensor_parallel", lambda: model.check_tensor_parallel(architecture, raw["tensor_parallel"]))
     try:
         resolved = build_setup(
             architecture, raw["gpu"],

@@ -66,6 +66,7 @@ def build_setup(
     gpu_preset = get_gpu(gpu)
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise InputError(f"tensor parallel must be a whole number of GPUs >= 1, got {tensor_parallel!r}")
+    model.check_tensor_parallel(architecture, tensor_parallel)
     for name, value in (("bandwidth efficiency", bandwidth_efficiency), ("compute efficiency", compute_efficiency)):
         if not 0 < value <= 1:
             raise InputError(f"{name} must be in (0, 1], got {value!r}")

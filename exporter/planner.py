@@ -122,11 +122,13 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
     """Turn the shared flags into a ResolvedSetup; every bad value raises InputError naming its flag."""
     params = parse_param_count(args.params) if args.params else None
     architecture = load_architecture(args.model, params)
+    tensor_parallel = _parse_tp(args.tp)
+    model.check_tensor_parallel(architecture, tensor_parallel, "--tp")  # build_setup checks it too, without the flag
     return build_setup(
         architecture,
         args.gpu,
         gpu_memory_bytes=parse_size_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
-        tensor_parallel=_parse_tp(args.tp),
+        tensor_parallel=tensor_parallel,
         weight_dtype=args.weight_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=_parse_fraction(args.gpu_memory_utilization, "--gpu-memory-utilization"),

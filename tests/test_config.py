@@ -246,6 +246,12 @@ def test_a_negative_or_non_finite_step_overhead_is_refused(tmp_path: Path, overh
     assert "stepbudget.yaml:7: deployments[0].step_overhead: " in message and expected in message
 
 
+def test_a_tensor_parallel_size_vllm_refuses_fails_at_its_line(tmp_path: Path) -> None:
+    message = error_of(tmp_path, MINIMAL + "        tensor_parallel: 3\n")
+    assert "stepbudget.yaml:7: deployments[0].tensor_parallel: tensor parallel 3 does not fit model 'qwen3-8b'" in message
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in message
+
+
 def test_model_keys_reach_the_setup(tmp_path: Path) -> None:
     config = load_config(str(write(tmp_path, MINIMAL + """\
         gpu_memory: 40GB

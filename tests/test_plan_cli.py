@@ -202,3 +202,19 @@ def test_a_zero_step_overhead_is_accepted(capsys: pytest.CaptureFixture[str]) ->
 def test_a_negative_or_non_finite_step_overhead_is_refused(capsys: pytest.CaptureFixture[str], value: str,
                                                            expected: str) -> None:
     assert expected in bad_input(capsys, "plan", f"--step-overhead={value}")
+
+
+def test_a_tensor_parallel_size_vllm_refuses_is_refused_with_vllms_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    err = bad_input(capsys, "plan", "--tp", "3")  # Qwen3-8B: 32 attention heads
+    assert "--tp 3 does not fit model 'qwen3-8b'" in err
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
+    qwen2 = str(CONFIGS / "Qwen2-7B" / "config.json")  # 28 attention heads, 4 KV heads
+    err = bad_input(capsys, "plan", "--model", qwen2, "--tp", "7")  # 28 % 7 == 0, but 7 GPUs and 4 KV heads
+    assert "--tp 7" in err and '"7 is not divisible by 4"' in err
+
+
+def test_more_gpus_than_kv_heads_replicate_them(capsys: pytest.CaptureFixture[str]) -> None:
+    qwen2 = str(CONFIGS / "Qwen2-7B" / "config.json")  # 28 layers, head_dim 3584 / 28 = 128
+    out = plan_json(capsys, "--model", qwen2, "--tp", "28")  # each of the 4 KV heads on 7 GPUs
+    assert out["kv_bytes_per_token"] == 2 * 28 * 1 * 128 * 2
+    assert plan_json(capsys, "--model", qwen2, "--tp", "2")["kv_bytes_per_token"] == 2 * 28 * 2 * 128 * 2
