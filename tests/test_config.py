@@ -252,6 +252,17 @@ def test_a_tensor_parallel_size_vllm_refuses_fails_at_its_line(tmp_path: Path) -
     assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in message
 
 
+def test_the_model_key_reads_a_preset_whatever_the_working_directory_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen3-8b").mkdir()
+    assert load_config(str(write(tmp_path, MINIMAL))).deployments[0].architecture.name == "qwen3-8b"
+    (tmp_path / "mine").write_text("{}")
+    message = error_of(tmp_path, MINIMAL.replace("qwen3-8b", "mine"))
+    assert "stepbudget.yaml:3: deployments[0].model: model 'mine' is not a model preset" in message
+    assert "write it as a path: ./mine" in message
+
+
 def test_model_keys_reach_the_setup(tmp_path: Path) -> None:
     config = load_config(str(write(tmp_path, MINIMAL + """\
         gpu_memory: 40GB

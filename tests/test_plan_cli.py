@@ -218,3 +218,23 @@ def test_more_gpus_than_kv_heads_replicate_them(capsys: pytest.CaptureFixture[st
     out = plan_json(capsys, "--model", qwen2, "--tp", "28")  # each of the 4 KV heads on 7 GPUs
     assert out["kv_bytes_per_token"] == 2 * 28 * 1 * 128 * 2
     assert plan_json(capsys, "--model", qwen2, "--tp", "2")["kv_bytes_per_token"] == 2 * 28 * 2 * 128 * 2
+
+
+def test_a_preset_name_stays_the_preset_whatever_the_working_directory_holds(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen3-8b").mkdir()  # e.g. a checkout of the model's weights
+    out = plan_json(capsys, "--model", "qwen3-8b")
+    assert out["model"] == "qwen3-8b" and out["kv_bytes_per_token"] == QWEN3_KV
+
+
+def test_a_bare_name_that_is_a_file_here_must_be_written_as_a_path(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").write_text((CONFIGS / "Llama-3.1-8B" / "config.json").read_text())
+    err = bad_input(capsys, "plan", "--model", "llama")
+    assert "model 'llama' is not a model preset" in err and "write it as a path: ./llama" in err
+    assert plan_json(capsys, "--model", "./llama")["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    (tmp_path / "weights").mkdir()
+    assert "write it as a path: ./weights/config.json" in bad_input(capsys, "plan", "--model", "weights")
+    assert "unknown model preset 'nothing-here'" in bad_input(capsys, "plan", "--model", "nothing-here")
