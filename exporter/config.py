@@ -24,7 +24,7 @@ from exporter.errors import InputError
 from exporter.model import Architecture
 from exporter.presets import get_gpu
 from exporter.suggest import close_names
-from exporter.units import parse_duration_seconds, parse_size_bytes
+from exporter.units import parse_duration_seconds, parse_overhead_seconds, parse_size_bytes
 
 ENGINE_KINDS = ("auto", "vllm", "sglang", "tgi")
 LOG_FORMATS = ("auto", "json", "console")
@@ -114,18 +114,20 @@ def _string(value: Any, where: _Where) -> str:
     return value.strip()
 
 
-def _duration(value: Any, where: _Where) -> float:
+def _with_unit(parse: Callable[[Any, str], float], value: Any) -> float:
+    """A units.py parser's value; its message, less the placeholder name, becomes the key's problem."""
     try:
-        return parse_duration_seconds(value, "duration")
+        return parse(value, "value")
     except InputError as error:
-        raise _Bad(str(error).removeprefix("duration: ")) from None
+        raise _Bad(str(error).removeprefix("value: ")) from None
+
+
+def _duration(value: Any, where: _Where) -> float:
+    return _with_unit(parse_duration_seconds, value)
 
 
 def _size(value: Any, where: _Where) -> float:
-    try:
-        return parse_size_bytes(value, "size")
-    except InputError as error:
-        raise _Bad(str(error).removeprefix("size: ")) from None
+    return _with_unit(parse_size_bytes, value)
 
 
 def _number(value: Any) -> float:
@@ -147,13 +149,16 @@ def _positive(value: Any, where: _Where) -> float:
     return number
 
 
-def _non_negative_seconds(value: Any, where: _Where) -> float:
-    if isinstance(value, str):
-        return _duration(value, where)
+def _non_negative(value: Any, where: _Where) -> float:
     number = _number(value)
     if number < 0:
         raise _Bad(f"must not be negative, got {value!r}")
     return number
+
+
+def _non_negative_seconds(value: Any, where: _Where) -> float:
+    """Seconds or a duration such as `2ms`; zero is allowed (a per-step overhead of none)."""
+    return _with_unit(parse_overhead_seconds, value)
 
 
 def _ratio(value: Any, where: _Where) -> float:
@@ -518,22 +523,49 @@ class Config:
                 f"discovery {'+'.join(modes)}, poll every {self.poll_interval_seconds:g}s, listen {self.listen}, {alerting}")
 
 
-def _calibration_values(path: str, where: _Where) -> tuple[float, float]:
-    """Bandwidth and overhead from `stepbudget calibrate --json` output."""
+# What `stepbudget calibrate --json` always writes and the daemon reads, with how each is checked.
+CALIBRATION_NUMBERS: dict[str, Parser] = {
+    "effective_bandwidth_bytes_per_second": _positive,
+    "step_overhead_seconds": _non_negative,
+    "spread_ratio": _non_negative,
+    "tolerance_ratio": _positive,
+}
+CALIBRATION_REQUIRED_KEYS = (*CALIBRATION_NUMBERS, "agrees")
+
+
+def _calibration_values(path: str, deployment: str, where: _Where) -> tuple[float, float]:
+    """Bandwidth and overhead from `stepbudget calibrate --json` output that calibrate itself accepted."""
+
+    def refuse(problem: str) -> ConfigError:
+        return ConfigError(_message(where, f"deployment {deployment!r}: calibration file {path!r} {problem}"))
+
     try:
         with open(path, encoding="utf-8") as handle:
             document = json.load(handle)
     except (OSError, ValueError) as error:
-        raise ConfigError(_message(where, f"cannot read calibration file {path!r}: {error}")) from None
-    try:
-        bandwidth = float(document["effective_bandwidth_bytes_per_second"])
-        overhead = float(document.get("step_overhead_seconds") or 0.0)
-    except (KeyError, TypeError, ValueError):
-        raise ConfigError(_message(where, f"{path!r} is not `stepbudget calibrate --json` output "
-                                          "(needs effective_bandwidth_bytes_per_second)")) from None
-    if not (math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(overhead) and overhead >= 0):
-        raise ConfigError(_message(where, f"{path!r} holds an unusable bandwidth or overhead"))
-    return bandwidth, overhead
+        raise refuse(f"cannot be read: {error}") from None
+    if not isinstance(document, dict):
+        raise refuse(f"is not `stepbudget calibrate --json` output: expected a JSON object, got {type(document).__name__}")
+    missing = [key for key in CALIBRATION_REQUIRED_KEYS if key not in document]
+    if missing:
+        raise refuse(f"is not `stepbudget calibrate --json` output: it lacks {', '.join(missing)}")
+    numbers: dict[str, float] = {}
+    for key, parse in CALIBRATION_NUMBERS.items():
+        try:
+            numbers[key] = parse(document[key], where)
+        except _Bad as bad:
+            raise refuse(f"has an unusable {key}: {bad}") from None
+    agrees, spread, tolerance = document["agrees"], numbers["spread_ratio"], numbers["tolerance_ratio"]
+    if not isinstance(agrees, bool):
+        raise refuse(f"has an unusable agrees: expected true or false, got {agrees!r}")
+    if agrees != (spread <= tolerance):
+        raise refuse(f"says agrees: {str(agrees).lower()} but its spread_ratio {spread:g} and tolerance_ratio "
+                     f"{tolerance:g} say otherwise (edited by hand?); re-run `stepbudget calibrate --json`")
+    if not agrees:
+        raise refuse(f"was rejected by `stepbudget calibrate` (agrees: false): its points' bandwidths spread "
+                     f"{spread:.1%}, more than the {tolerance:.0%} tolerance, so no one bandwidth describes that "
+                     "server; re-run `stepbudget calibrate` (its notes name likely causes) and use a file it accepts")
+    return numbers["effective_bandwidth_bytes_per_second"], numbers["step_overhead_seconds"]
 
 
 def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Where) -> Deployment:
@@ -542,17 +574,21 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Whe
     if raw["calibration"] is not None:
         if bandwidth is not None:
             raise ConfigError(_message(where, "give effective_bandwidth or calibration, not both"))
-        bandwidth, calibrated_overhead = _calibration_values(raw["calibration"], where.child("calibration", lines.get("calibration")))
+        bandwidth, calibrated_overhead = _calibration_values(raw["calibration"], raw["name"],
+                                                             where.child("calibration", lines.get("calibration")))
         overhead = calibrated_overhead if overhead is None else overhead
         calibrated = True
-    try:
-        architecture = load_architecture(raw["model"], raw["params"])
-    except InputError as error:
-        raise ConfigError(_message(where.child("model", lines.get("model")), str(error))) from None
-    try:
-        get_gpu(raw["gpu"])
-    except InputError as error:
-        raise ConfigError(_message(where.child("gpu", lines.get("gpu")), str(error))) from None
+
+    def at_key(key: str, check: Callable[[], Any]) -> Any:
+        """Run `check`; its InputError becomes a ConfigError at `key`'s line."""
+        try:
+            return check()
+        except InputError as error:
+            raise ConfigError(_message(where.child(key, lines.get(key)), str(error))) from None
+
+    architecture: Architecture = at_key("model", lambda: load_architecture(raw["model"], raw["params"]))
+    at_key("gpu", lambda: get_gpu(raw["gpu"]))
+    at_key("tensor_parallel", lambda: model.check_tensor_parallel(architecture, raw["tensor_parallel"]))
     try:
         resolved = build_setup(
             architecture, raw["gpu"],

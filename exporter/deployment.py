@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from exporter import model
 from exporter.errors import InputError
 from exporter.model import Architecture, ServingSetup
-from exporter.presets import Gpu, get_gpu, get_model_preset
+from exporter.presets import Gpu, get_gpu, get_model_preset, is_model_preset
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,31 @@ class ResolvedSetup:
     bandwidth_source: str
 
 
+def _is_path_like(model_name_or_path: str) -> bool:
+    """A model argument is a path when it says so: it holds a path separator or ends in .json."""
+    separators = {"/", os.path.sep, os.path.altsep} - {None}
+    return any(separator in model_name_or_path for separator in separators) or model_name_or_path.endswith(".json")
+
+
 def load_architecture(model_name_or_path: str, params: float | None = None) -> Architecture:
-    """A preset name, or a path to a Hugging Face config.json; `params` overrides the count."""
-    if os.path.sep in model_name_or_path or model_name_or_path.endswith(".json") or os.path.exists(model_name_or_path):
+    """A preset name, or a path to a Hugging Face config.json; `params` overrides the count.
+
+    What the working directory holds never changes the meaning: a preset name is always the preset,
+    and a file is read only when the argument looks like a path (`./name`, `dir/config.json`,
+    `name.json`). A bare name that is no preset but names a file here is refused with the spelling
+    that reads it.
+    """
+    if _is_path_like(model_name_or_path):
         from exporter.hf_config import load_hf_config  # only paid for when a file is given
 
         architecture = load_hf_config(model_name_or_path)
+    elif is_model_preset(model_name_or_path) or not os.path.exists(model_name_or_path):
+        architecture = get_model_preset(model_name_or_path)  # an unknown name: the error lists the presets
     else:
-        architecture = get_model_preset(model_name_or_path)
+        path = os.path.join(".", model_name_or_path)
+        suggestion = os.path.join(path, "config.json") if os.path.isdir(model_name_or_path) else path
+        raise InputError(f"model {model_name_or_path!r} is not a model preset; to read {model_name_or_path!r} "
+                         f"in the working directory, write it as a path: {suggestion}")
     if params is not None:
         if not params > 0:
             raise InputError(f"params must be greater than zero, got {params!r}")
@@ -66,6 +83,7 @@ def build_setup(
     gpu_preset = get_gpu(gpu)
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise InputError(f"tensor parallel must be a whole number of GPUs >= 1, got {tensor_parallel!r}")
+    model.check_tensor_parallel(architecture, tensor_parallel)
     for name, value in (("bandwidth efficiency", bandwidth_efficiency), ("compute efficiency", compute_efficiency)):
         if not 0 < value <= 1:
             raise InputError(f"{name} must be in (0, 1], got {value!r}")

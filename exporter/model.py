@@ -163,8 +163,10 @@ class ServingSetup:
                 raise InputError(f"{name} must be greater than zero, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.step_overhead_seconds < 0 or self.reserved_memory_bytes < 0:
-            raise InputError("step_overhead_seconds and reserved_memory_bytes must not be negative")
+        for name, value in (("step_overhead_seconds", self.step_overhead_seconds),
+                            ("reserved_memory_bytes", self.reserved_memory_bytes)):
+            if not (math.isfinite(value) and value >= 0):
+                raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -217,9 +219,45 @@ class StepPrediction:
 # --- bytes -------------------------------------------------------------------------------------
 
 
+def check_tensor_parallel(arch: Architecture, tensor_parallel: int, what: str = "tensor parallel") -> None:
+    """Refuse a tensor-parallel size vLLM refuses for this model, with the reason vLLM gives.
+
+    vLLM 0.33.0 applies two rules (line numbers in its source distribution):
+      * vllm/config/model.py:1559, ModelConfig.verify_with_parallel_config: the attention heads must
+        divide evenly, "Total number of attention heads (H) must be divisible by tensor parallel size (T)."
+      * vllm/model_executor/layers/linear.py:1066-1070, QKVParallelLinear.__init__: with T >= the KV
+        heads K each KV head is replicated T // K times, so K must divide T; with T < K each rank holds
+        K // T heads, so T must divide K. Both go through divide() (vllm/distributed/utils.py:53), whose
+        assertion reads "K is not divisible by T" / "T is not divisible by K".
+    MLA models (DeepSeek-V2/V3) do not use QKVParallelLinear for their cache: only the first rule holds
+    (vllm/model_executor/models/deepseek_v2.py:1041, `assert num_heads % tp_size == 0`).
+    """
+    heads, kv_heads = arch.attention_heads, arch.kv_heads
+    if heads % tensor_parallel:
+        raise InputError(
+            f"{what} {tensor_parallel} does not fit model {arch.name!r}: vLLM refuses it with \"Total number of "
+            f"attention heads ({heads}) must be divisible by tensor parallel size ({tensor_parallel}).\"; "
+            f"use a size that divides {heads}"
+        )
+    if arch.attention_kind == "mla":
+        return
+    numerator, denominator = (tensor_parallel, kv_heads) if tensor_parallel >= kv_heads else (kv_heads, tensor_parallel)
+    if numerator % denominator:
+        raise InputError(
+            f"{what} {tensor_parallel} does not fit model {arch.name!r}: its {kv_heads} KV heads can be neither "
+            f"split evenly across {tensor_parallel} GPUs nor replicated a whole number of times, and vLLM refuses it "
+            f"with \"{numerator} is not divisible by {denominator}\" (QKVParallelLinear); use a size that divides "
+            f"{kv_heads} or a multiple of {kv_heads} that divides {heads}"
+        )
+
+
 def kv_heads_per_gpu(arch: Architecture, tensor_parallel: int) -> float:
-    """KV heads are split across TP ranks; with more ranks than heads each rank keeps a replica."""
-    return max(1.0, arch.kv_heads / tensor_parallel)
+    """KV heads are split across TP ranks; with more ranks than heads each rank keeps a replica.
+
+    As vLLM's ModelConfig.get_num_kv_heads (vllm/config/model.py:1683): max(1, K // T); for a size
+    `check_tensor_parallel` accepts the division is exact.
+    """
+    return float(max(1, arch.kv_heads // tensor_parallel))
 
 
 def kv_bytes_per_token_per_layer(arch: Architecture, kv_bytes_per_element: float, tensor_parallel: int = 1) -> float:

@@ -22,7 +22,7 @@ from exporter.errors import InputError
 from exporter.model import RequestGroup, ServingSetup, StepPrediction
 from exporter.pools import add_pools_arguments, loads_text
 from exporter.pools import run_if_asked as run_pools_if_asked
-from exporter.units import parse_duration_seconds, parse_size_bytes
+from exporter.units import parse_overhead_seconds, parse_size_bytes
 
 DEFAULT_MODEL = "qwen3-8b"
 DEFAULT_GPU = "h100-sxm"
@@ -102,7 +102,7 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share of the datasheet bandwidth reached (default 0.6)")
     rates.add_argument("--compute-efficiency", default=str(model.DEFAULT_COMPUTE_EFFICIENCY),
                        help="share of the datasheet dense FLOP/s reached (default 0.5)")
-    rates.add_argument("--step-overhead", help="fixed per-step cost, seconds or 2ms (default 0)")
+    rates.add_argument("--step-overhead", help="fixed per-step cost, seconds or 2ms; 0 allowed (default 0)")
 
 
 def _parse_tp(text: str) -> int:
@@ -122,11 +122,13 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
     """Turn the shared flags into a ResolvedSetup; every bad value raises InputError naming its flag."""
     params = parse_param_count(args.params) if args.params else None
     architecture = load_architecture(args.model, params)
+    tensor_parallel = _parse_tp(args.tp)
+    model.check_tensor_parallel(architecture, tensor_parallel, "--tp")  # build_setup checks it too, without the flag
     return build_setup(
         architecture,
         args.gpu,
         gpu_memory_bytes=parse_size_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
-        tensor_parallel=_parse_tp(args.tp),
+        tensor_parallel=tensor_parallel,
         weight_dtype=args.weight_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=_parse_fraction(args.gpu_memory_utilization, "--gpu-memory-utilization"),
@@ -135,7 +137,7 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
         bandwidth_is_calibrated=bandwidth_is_calibrated,
         bandwidth_efficiency=_parse_fraction(args.bandwidth_efficiency, "--bandwidth-efficiency"),
         compute_efficiency=_parse_fraction(args.compute_efficiency, "--compute-efficiency"),
-        step_overhead_seconds=parse_duration_seconds(args.step_overhead, "--step-overhead") if args.step_overhead else 0.0,
+        step_overhead_seconds=parse_overhead_seconds(args.step_overhead, "--step-overhead") if args.step_overhead else 0.0,
     )
 
 

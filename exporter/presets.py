@@ -114,8 +114,16 @@ def get_gpu(name: str) -> Gpu:
     return GPUS[key]
 
 
+def _preset_key(name: str) -> str:
+    return name.strip().lower()
+
+
+def is_model_preset(name: str) -> bool:
+    return _preset_key(name) in MODELS
+
+
 def get_model_preset(name: str) -> Architecture:
-    key = name.strip().lower()
+    key = _preset_key(name)
     if key not in MODELS:
         raise InputError(
             f"unknown model preset {name!r}{close_names(key, MODELS)}; known: {', '.join(MODELS)} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
@@ -18,8 +19,9 @@ _NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a
 
 
 def _parse_with_unit(text: str | int | float, units: dict[str, float] | dict[str, int],
-                     unit_of: Callable[[str], str], what: str, unreadable: str) -> float:
-    """A number with an optional unit from `units` (a bare int or float is taken as is); must be positive."""
+                     unit_of: Callable[[str], str], what: str, unreadable: str, *, allow_zero: bool = False) -> float:
+    """A number with an optional unit from `units` (a bare int or float is taken as is); must be finite
+    and positive (or zero, with `allow_zero`)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
@@ -27,7 +29,11 @@ def _parse_with_unit(text: str | int | float, units: dict[str, float] | dict[str
         if not match or unit_of(match.group(2)) not in units:
             raise InputError(f"{what}: cannot read {text!r} as {unreadable}")
         value = float(match.group(1)) * units[unit_of(match.group(2))]
-    if not value > 0:
+    if not math.isfinite(value):  # NaN, inf, or a literal such as 1e999 that overflows
+        raise InputError(f"{what}: must be a finite number, got {text!r}")
+    if allow_zero and value < 0:
+        raise InputError(f"{what}: must not be negative, got {text!r}")
+    if not allow_zero and not value > 0:
         raise InputError(f"{what}: must be greater than zero, got {text!r}")
     return value
 
@@ -40,3 +46,8 @@ def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
 def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:
     """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, a bare number is seconds. Must be positive."""
     return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 15s, 5m, 250ms")
+
+
+def parse_overhead_seconds(text: str | int | float, what: str = "step overhead") -> float:
+    """A duration that may be zero: a per-step overhead (`calibrate` fits 0 when there is none)."""
+    return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 2ms, 0.002, 0", allow_zero=True)

@@ -80,6 +80,21 @@ def test_bad_itl_points_name_the_expected_form(capsys: pytest.CaptureFixture[str
     assert "--itl" in capsys.readouterr().err
 
 
+def test_the_shared_flags_take_a_zero_overhead(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--itl", "0.0082@1000", "--step-overhead", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(qwen3_read_bytes(1000) / 0.0082)
+    assert main(["calibrate", "--itl", "0.0082@1000", "--step-overhead", "-1"]) == 2
+    assert "--step-overhead: cannot read '-1'" in capsys.readouterr().err
+
+
+def test_a_tp_vllm_refuses_is_refused_with_vllms_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--itl", "0.0082@1000", "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--tp 3" in err and "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
+
+
 # --- a streaming stub of an OpenAI-compatible server --------------------------------------------
 
 

@@ -5,6 +5,8 @@ close-name suggestions, the extension point, flag overrides on `serve`, and the 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -158,7 +160,7 @@ def test_kubernetes_dns_auth_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_calibration_and_bandwidth_sources(tmp_path: Path) -> None:
     calibration = tmp_path / "cal.json"
-    calibration.write_text('{"effective_bandwidth_bytes_per_second": 2.4e12, "step_overhead_seconds": 0.003}')
+    calibration.write_text(json.dumps(CALIBRATION_DOCUMENT))
     config = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {calibration}\n")))
     resolved = config.deployments[0].resolved
     assert resolved.bandwidth_source == "calibrated"
@@ -170,6 +172,95 @@ def test_calibration_and_bandwidth_sources(tmp_path: Path) -> None:
     assert "not both" in error_of(tmp_path, MINIMAL + f"        calibration: {calibration}\n        effective_bandwidth: 2e12\n")
     calibration.write_text('{"points": []}')
     assert "not `stepbudget calibrate --json` output" in error_of(tmp_path, MINIMAL + f"        calibration: {calibration}\n")
+
+
+CALIBRATION_DOCUMENT = {"effective_bandwidth_bytes_per_second": 2.4e12, "step_overhead_seconds": 0.003,
+                        "agrees": True, "spread_ratio": 0.05, "tolerance_ratio": 0.15, "points": []}
+QWEN3_WEIGHTS, QWEN3_KV = 8.19e9 * 2, 2 * 36 * 8 * 128 * 2
+
+
+def calibrate_json(capsys: pytest.CaptureFixture[str], tmp_path: Path, *points: str) -> Path:
+    """The file `stepbudget calibrate --itl ... --json > calibration.json` leaves, accepted or not."""
+    cli.main(["calibrate", "--json", *(arg for point in points for arg in ("--itl", point))])
+    path = tmp_path / "calibration.json"
+    path.write_text(capsys.readouterr().out)
+    return path
+
+
+def test_a_calibration_calibrate_accepted_sets_the_rates_even_with_zero_overhead(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = calibrate_json(capsys, tmp_path, "0.0082@1000")  # one point: overhead not fitted, written as 0
+    setup = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {path}\n"))).deployments[0].resolved.setup
+    assert setup.effective_bandwidth_bytes_per_second == pytest.approx((QWEN3_WEIGHTS + 1000 * QWEN3_KV) / 0.0082)
+    assert setup.step_overhead_seconds == 0
+
+
+def test_a_calibration_calibrate_rejected_is_refused_naming_deployment_file_and_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The long stream moves half the bytes per second the short one does: spread 100%, over 15%.
+    short_gap, long_gap = (QWEN3_WEIGHTS + 1000 * QWEN3_KV) / 2e12, (QWEN3_WEIGHTS + 100_000 * QWEN3_KV) / 1e12
+    path = calibrate_json(capsys, tmp_path, f"{short_gap!r}@1000", f"{long_gap!r}@100000")
+    assert json.loads(path.read_text())["agrees"] is False
+    message = error_of(tmp_path, MINIMAL + f"        calibration: {path}\n")
+    assert f"stepbudget.yaml:7: deployments[0].calibration: deployment 'chat': calibration file '{path}'" in message
+    assert "rejected by `stepbudget calibrate` (agrees: false)" in message
+    assert "spread 100.0%, more than the 15% tolerance" in message and "re-run `stepbudget calibrate`" in message
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"agrees": None}, "lacks agrees"),
+    ({"effective_bandwidth_bytes_per_second": None, "tolerance_ratio": None},
+     "lacks effective_bandwidth_bytes_per_second, tolerance_ratio"),
+    ({"effective_bandwidth_bytes_per_second": 0},
+     "unusable effective_bandwidth_bytes_per_second: must be greater than zero"),
+    ({"effective_bandwidth_bytes_per_second": math.inf}, "unusable effective_bandwidth_bytes_per_second: expected a number"),
+    ({"step_overhead_seconds": -0.001}, "unusable step_overhead_seconds: must not be negative"),
+    ({"step_overhead_seconds": math.nan}, "unusable step_overhead_seconds: expected a number"),
+    ({"spread_ratio": "wide"}, "unusable spread_ratio: expected a number"),
+    ({"agrees": "yes"}, "unusable agrees: expected true or false, got 'yes'"),
+    ({"spread_ratio": 0.4}, "says agrees: true but its spread_ratio 0.4 and tolerance_ratio 0.15 say otherwise"),
+])
+def test_a_calibration_file_is_checked_key_by_key(tmp_path: Path, change: dict, expected: str) -> None:
+    document = {key: value for key, value in {**CALIBRATION_DOCUMENT, **change}.items() if value is not None}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(document))  # json writes NaN and Infinity, as Python's json reads them
+    message = error_of(tmp_path, MINIMAL + f"        calibration: {path}\n")
+    assert f"deployments[0].calibration: deployment 'chat': calibration file '{path}'" in message
+    assert expected in message
+
+
+@pytest.mark.parametrize("overhead", ["0", "0ms", "0.0"])
+def test_a_zero_step_overhead_is_accepted(tmp_path: Path, overhead: str) -> None:
+    config = load_config(str(write(tmp_path, MINIMAL + f"        step_overhead: {overhead}\n")))
+    assert config.deployments[0].resolved.setup.step_overhead_seconds == 0
+
+
+@pytest.mark.parametrize("overhead, expected", [
+    ("-1", "must not be negative, got -1"),
+    ("-2ms", "cannot read '-2ms' as a duration"),
+    (".nan", "must be a finite number, got nan"),
+    (".inf", "must be a finite number, got inf"),
+])
+def test_a_negative_or_non_finite_step_overhead_is_refused(tmp_path: Path, overhead: str, expected: str) -> None:
+    message = error_of(tmp_path, MINIMAL + f"        step_overhead: {overhead}\n")
+    assert "stepbudget.yaml:7: deployments[0].step_overhead: " in message and expected in message
+
+
+def test_a_tensor_parallel_size_vllm_refuses_fails_at_its_line(tmp_path: Path) -> None:
+    message = error_of(tmp_path, MINIMAL + "        tensor_parallel: 3\n")
+    assert "stepbudget.yaml:7: deployments[0].tensor_parallel: tensor parallel 3 does not fit model 'qwen3-8b'" in message
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in message
+
+
+def test_the_model_key_reads_a_preset_whatever_the_working_directory_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen3-8b").mkdir()
+    assert load_config(str(write(tmp_path, MINIMAL))).deployments[0].architecture.name == "qwen3-8b"
+    (tmp_path / "mine").write_text("{}")
+    message = error_of(tmp_path, MINIMAL.replace("qwen3-8b", "mine"))
+    assert "stepbudget.yaml:3: deployments[0].model: model 'mine' is not a model preset" in message
+    assert "write it as a path: ./mine" in message
 
 
 def test_model_keys_reach_the_setup(tmp_path: Path) -> None:

@@ -205,6 +205,53 @@ def test_tensor_parallel_splits_weights_and_kv_heads_down_to_one_head_per_gpu() 
     assert model.kv_bytes_per_token(arch, 2.0, 16) == 2 * 32 * 1 * 128 * 2  # max(1, 8/16)
 
 
+# Phi-3-medium's attention layout: 40 query heads, 10 KV heads (head_dim 128, 40 layers).
+PHI3_MEDIUM = Architecture("phi-3-medium", layers=40, hidden_size=5120, attention_heads=40, kv_heads=10,
+                           head_dim=128, params=14e9)
+
+
+@pytest.mark.parametrize("tp, vllm_says", [
+    (3, "Total number of attention heads (40) must be divisible by tensor parallel size (3)."),
+    (4, "10 is not divisible by 4"),  # 40 % 4 == 0, but 4 GPUs cannot split 10 KV heads evenly
+    (8, "10 is not divisible by 8"),
+])
+def test_tensor_parallel_vllm_refuses_is_refused_with_its_reason(tp: int, vllm_says: str) -> None:
+    with pytest.raises(InputError) as caught:
+        model.check_tensor_parallel(PHI3_MEDIUM, tp)
+    assert vllm_says in str(caught.value) and "tensor parallel" in str(caught.value)
+    with pytest.raises(InputError, match="vLLM refuses it"):
+        build_setup(PHI3_MEDIUM, "h100-sxm", tensor_parallel=tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 5, 10, 20, 40])  # divisors of 10, or multiples of 10 that divide 40
+def test_tensor_parallel_vllm_accepts_is_accepted(tp: int) -> None:
+    model.check_tensor_parallel(PHI3_MEDIUM, tp)
+    assert build_setup(PHI3_MEDIUM, "h100-sxm", tensor_parallel=tp).setup.tensor_parallel == tp
+
+
+def test_kv_heads_per_gpu_splits_or_replicates_as_vllm_does() -> None:
+    assert model.kv_heads_per_gpu(PHI3_MEDIUM, 2) == 5   # 10 // 2
+    assert model.kv_heads_per_gpu(PHI3_MEDIUM, 5) == 2   # 10 // 5
+    assert model.kv_heads_per_gpu(PHI3_MEDIUM, 20) == 1  # 20 GPUs, each KV head held by 2 of them
+    setup = build_setup(PHI3_MEDIUM, "h100-sxm", tensor_parallel=20).setup
+    assert model.kv_bytes_per_token(PHI3_MEDIUM, 2.0, setup.tensor_parallel) == 2 * 40 * 1 * 128 * 2
+
+
+def test_mla_needs_only_the_attention_heads_to_divide() -> None:
+    """vLLM's MLA attention checks num_heads % tp only; its latent cache has no KV heads to split."""
+    odd_kv = replace(get_model_preset("deepseek-v3"), kv_heads=3)
+    model.check_tensor_parallel(odd_kv, 8)
+    with pytest.raises(InputError, match=r"attention heads \(128\) must be divisible by tensor parallel size \(3\)"):
+        model.check_tensor_parallel(odd_kv, 3)
+
+
+@pytest.mark.parametrize("overhead", [-0.001, math.nan, math.inf])
+def test_a_setup_refuses_a_negative_or_non_finite_step_overhead(overhead: float) -> None:
+    with pytest.raises(InputError, match="step_overhead_seconds must be a finite number >= 0"):
+        qwen3_setup(step_overhead_seconds=overhead)
+    assert qwen3_setup(step_overhead_seconds=0.0).step_overhead_seconds == 0
+
+
 def test_step_is_overhead_plus_the_larger_of_memory_and_compute() -> None:
     setup = qwen3_setup(step_overhead_seconds=0.002)
     memory_bound = model.predict_step(setup, [RequestGroup(10, 1000)])

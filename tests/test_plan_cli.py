@@ -180,3 +180,61 @@ def test_weights_that_do_not_fit_are_flagged(capsys: pytest.CaptureFixture[str])
     assert main(["plan", "--model", "deepseek-v3"]) == 0
     assert "weights do not fit" in capsys.readouterr().out
 
+
+
+# --- issue 11: inputs the tools accepted but should not (and one they refused but should not) --
+
+
+def test_a_zero_step_overhead_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    """`calibrate` emits an overhead of 0 when the fit finds none; plan must take it back."""
+    for zero in ("0", "0ms", "0.0"):
+        out = plan_json(capsys, "--step-overhead", zero, "--load", "40x2000")
+        assert out["step_overhead_seconds"] == 0
+        assert out["predicted_step_seconds"] == pytest.approx((QWEN3_WEIGHTS + 40 * 2000 * QWEN3_KV) / H100_EFFECTIVE)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("-1ms", "--step-overhead: cannot read '-1ms' as a duration"),
+    ("nan", "--step-overhead: cannot read 'nan'"),
+    ("inf", "--step-overhead: cannot read 'inf'"),
+    ("1e999", "--step-overhead: must be a finite number, got '1e999'"),
+])
+def test_a_negative_or_non_finite_step_overhead_is_refused(capsys: pytest.CaptureFixture[str], value: str,
+                                                           expected: str) -> None:
+    assert expected in bad_input(capsys, "plan", f"--step-overhead={value}")
+
+
+def test_a_tensor_parallel_size_vllm_refuses_is_refused_with_vllms_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    err = bad_input(capsys, "plan", "--tp", "3")  # Qwen3-8B: 32 attention heads
+    assert "--tp 3 does not fit model 'qwen3-8b'" in err
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
+    qwen2 = str(CONFIGS / "Qwen2-7B" / "config.json")  # 28 attention heads, 4 KV heads
+    err = bad_input(capsys, "plan", "--model", qwen2, "--tp", "7")  # 28 % 7 == 0, but 7 GPUs and 4 KV heads
+    assert "--tp 7" in err and '"7 is not divisible by 4"' in err
+
+
+def test_more_gpus_than_kv_heads_replicate_them(capsys: pytest.CaptureFixture[str]) -> None:
+    qwen2 = str(CONFIGS / "Qwen2-7B" / "config.json")  # 28 layers, head_dim 3584 / 28 = 128
+    out = plan_json(capsys, "--model", qwen2, "--tp", "28")  # each of the 4 KV heads on 7 GPUs
+    assert out["kv_bytes_per_token"] == 2 * 28 * 1 * 128 * 2
+    assert plan_json(capsys, "--model", qwen2, "--tp", "2")["kv_bytes_per_token"] == 2 * 28 * 2 * 128 * 2
+
+
+def test_a_preset_name_stays_the_preset_whatever_the_working_directory_holds(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen3-8b").mkdir()  # e.g. a checkout of the model's weights
+    out = plan_json(capsys, "--model", "qwen3-8b")
+    assert out["model"] == "qwen3-8b" and out["kv_bytes_per_token"] == QWEN3_KV
+
+
+def test_a_bare_name_that_is_a_file_here_must_be_written_as_a_path(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").write_text((CONFIGS / "Llama-3.1-8B" / "config.json").read_text())
+    err = bad_input(capsys, "plan", "--model", "llama")
+    assert "model 'llama' is not a model preset" in err and "write it as a path: ./llama" in err
+    assert plan_json(capsys, "--model", "./llama")["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    (tmp_path / "weights").mkdir()
+    assert "write it as a path: ./weights/config.json" in bad_input(capsys, "plan", "--model", "weights")
+    assert "unknown model preset 'nothing-here'" in bad_input(capsys, "plan", "--model", "nothing-here")

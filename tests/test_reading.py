@@ -125,7 +125,8 @@ def test_model_alone_over_budget_means_zero_budget_and_no_utilization() -> None:
 
 def test_calibration_file_sets_bandwidth_overhead_and_source(tmp_path) -> None:
     calibration = tmp_path / "calibration.json"
-    calibration.write_text('{"effective_bandwidth_bytes_per_second": 2.5e12, "step_overhead_seconds": 0.004, "points": []}')
+    calibration.write_text('{"effective_bandwidth_bytes_per_second": 2.5e12, "step_overhead_seconds": 0.004, "points": [], '
+                           '"agrees": true, "spread_ratio": 0.02, "tolerance_ratio": 0.15}')
     d = config_from_mapping({"deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
                                               "calibration": str(calibration),
                                               "targets": {"static": ["http://10.0.0.5:8000/metrics"]}}]}).deployments[0]
