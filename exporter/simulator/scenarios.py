@@ -6,15 +6,18 @@ A scenario is a list of request groups on a simulated-time line:
   * `poisson` — open-loop arrivals at a rate per second (Poisson process) between start and stop;
   * `scripted` — `count` requests at a fixed time, optionally leaving at `leave_at` (an agent
     session that ends while still generating).
-Token counts are drawn uniformly in mean x (1 ± spread). The YAML format is in docs/simulator.md.
+Token counts are drawn uniformly in mean x (1 ± spread). Any group may say that a share of each
+prompt is already in the prefix cache (`cached`: an agent re-sending its conversation). A scenario
+may also set up the server (`settings`: vLLM release line, data-parallel engines, KV cache dtype),
+over the defaults and under explicit command-line flags. The YAML format is in docs/simulator.md.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import yaml
 
@@ -46,6 +49,7 @@ class ClosedLoopGroup:
     start_seconds: float = 0.0
     stop_seconds: float | None = None
     ramp_seconds: float = 10.0  # users start spread over this long, so their requests do not move in lockstep
+    cached_ratio: float = 0.0  # share of each prompt already in the prefix cache
 
     def first_arrival_seconds(self, user: int, rng: random.Random) -> float:
         """When `user` (0 to users - 1) sends its first request: a random moment in its share of the ramp."""
@@ -60,6 +64,7 @@ class PoissonGroup:
     output_tokens: TokenCount
     start_seconds: float = 0.0
     stop_seconds: float | None = None
+    cached_ratio: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,29 @@ class ScriptedGroup:
     output_tokens: TokenCount
     count: int = 1
     leave_at_seconds: float | None = None
+    cached_ratio: float = 0.0
 
 
 Group = Union[ClosedLoopGroup, PoissonGroup, ScriptedGroup]
+Spec = TypeVar("Spec")
+
+
+@dataclass(frozen=True)
+class ScenarioSettings:
+    """Server settings a scenario asks for (None: keep the server's own); names as ServerSpec's."""
+
+    vllm_version: str | None = None
+    data_parallel_size: int | None = None
+    kv_cache_dtype: str | None = None
+    enable_prefix_caching: bool | None = None
+
+    def applied_to(self, spec: Spec) -> Spec:
+        changes = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return replace(spec, **changes)  # type: ignore[type-var]
+
+    def overridden_by(self, other: "ScenarioSettings") -> "ScenarioSettings":
+        return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
+                                if getattr(other, f.name) is not None})
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,7 @@ class Scenario:
     description: str
     groups: tuple[Group, ...]
     timeline: tuple[tuple[float, str], ...] = ()  # (simulated seconds, what happens) for people
+    settings: ScenarioSettings = field(default_factory=ScenarioSettings)
 
 
 def _chats(users: int = 40, name: str = "chat") -> ClosedLoopGroup:
