@@ -40,9 +40,9 @@ class PageBook:
     def __init__(self, model_name: str = "Qwen/Qwen3-8B") -> None:
         from exporter.simulator.vllm_metrics import VllmPage
 
-        self._page = VllmPage("latest", model_name, 40960,
-                              {"block_size": "16", "num_gpu_blocks": "27000", "gpu_memory_utilization": "0.9",
-                               "kv_cache_size_tokens": "432000"}, created_unix_seconds=1_764_000_000.0)
+        self._page = VllmPage("latest", model_name, 40960, created_unix_seconds=1_764_000_000.0)
+        self._counters = self._page.add_engine("0", {"block_size": "16", "num_gpu_blocks": "27000",
+                                                     "gpu_memory_utilization": "0.9", "kv_cache_size_tokens": "432000"})
         self._pages: list[bytes] = []
         self._lock = threading.Lock()
         self._random = random.Random(7)
@@ -56,7 +56,7 @@ class PageBook:
 
     def _advance(self) -> None:
         """One poll interval of a busy server: 40 streams, a few prompts, some steps."""
-        counters = self._page.counters
+        counters = self._counters
         rng = self._random
         counters.running = 40 + rng.randint(-5, 5)
         counters.waiting = rng.randint(0, 3)

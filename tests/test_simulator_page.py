@@ -121,5 +121,5 @@ def test_versions_use_their_names_and_the_adapter_reads_each(version: str, usage
 
 
 def test_unknown_version_is_bad_input() -> None:
-    with pytest.raises(InputError, match="known: latest, 0.11, 0.10, 0.8"):
+    with pytest.raises(InputError, match="known: latest, 0.33, 0.23, 0.11, 0.10, 0.8"):
         Simulator(ServerSpec(vllm_version="0.5"))

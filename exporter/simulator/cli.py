@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from dataclasses import replace
 from types import FrameType
 
 from exporter.errors import InputError
 from exporter.simulator.engine import ServerSpec
-from exporter.simulator.scenarios import builtin_scenarios, load_scenario
+from exporter.simulator.scenarios import Scenario, ScenarioSettings, builtin_scenarios, load_scenario
 from exporter.simulator.server import start_server
 from exporter.simulator.vllm_metrics import VERSIONS
 
@@ -26,27 +27,41 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed", type=float, default=1.0,
                         help="simulated seconds per wall second (default 1 = real time; 60 = a minute per second)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (arrivals, token counts, step noise)")
-    parser.add_argument("--vllm-version", default="latest",
-                        help=f"metric names of this vLLM release line: {', '.join(VERSIONS)} (default latest)")
+    parser.add_argument("--vllm-version", default=None,
+                        help=f"the /metrics page of this vLLM release line: {', '.join(VERSIONS)} "
+                             "(default: the scenario's, else latest)")
+    parser.add_argument("--data-parallel-size", type=int, default=None,
+                        help="engines behind the one page (engine label 0..N-1; default: the scenario's, else 1)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="look requests' cached prefixes up at admission (default: the scenario's, else on)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=131072)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (16-bit) or fp8")
+    parser.add_argument("--kv-cache-dtype", default=None, help="auto (16-bit) or fp8 (default: the scenario's, else auto)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
 
 
 def spec_from_args(args: argparse.Namespace) -> ServerSpec:
     return ServerSpec(model=args.model, gpu=args.gpu, served_model_name=args.model_name, seed=args.seed,
-                      vllm_version=args.vllm_version, gpu_memory_utilization=args.gpu_memory_utilization,
+                      gpu_memory_utilization=args.gpu_memory_utilization, block_size_tokens=args.block_size,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+                      max_model_len=args.max_model_len)
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    """The scenario, its server settings overridden by the flags given."""
+    scenario = load_scenario(args.scenario)
+    flags = ScenarioSettings(vllm_version=args.vllm_version, data_parallel_size=args.data_parallel_size,
+                             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
+    return replace(scenario, settings=scenario.settings.overridden_by(flags))
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be 0-65535, got {args.port}")
-    scenario = load_scenario(args.scenario)
+    scenario = scenario_from_args(args)
     handle = start_server(args.host, args.port, scenario, args.speed, spec_from_args(args), access_log=args.access_log)
     simulator = handle.simulator
     print(f"simulated vLLM ({simulator.spec.model} on {simulator.spec.gpu}, served as {simulator.spec.model_name!r}) "
@@ -54,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  scenario {scenario.name}: {scenario.description}; speed x{args.speed:g}", flush=True)
     for at_seconds, what in scenario.timeline:
         print(f"    t={at_seconds:>5.0f} s simulated ({at_seconds / args.speed:.0f} s wall): {what}", flush=True)
-    print(f"  KV cache: {simulator.num_gpu_blocks} blocks of {simulator.spec.block_size_tokens} = "
-          f"{simulator.capacity_tokens:,} tokens", flush=True)
+    spec = simulator.spec
+    print(f"  vLLM {spec.vllm_version} page; {spec.data_parallel_size} engine(s), each with a KV cache of "
+          f"{simulator.num_gpu_blocks} blocks of {spec.block_size_tokens} = {simulator.capacity_tokens:,} tokens "
+          f"({spec.kv_cache_dtype}); prefix caching {'on' if spec.enable_prefix_caching else 'off'}", flush=True)
     print(f"  {handle.url}/metrics  {handle.url}/v1/completions  {handle.url}/v1/models  (Ctrl-C stops)", flush=True)
     stopped = threading.Event()
 

@@ -10,6 +10,20 @@ are freed and it goes back to the front of the queue, to be recomputed from scra
 samples a token whenever all its known tokens are computed: the step that finishes its prompt
 gives the first token, every later step one more.
 
+Prefix caching (vLLM's kv_cache_manager): a request may carry a cached prefix (a conversation
+re-sent by its next turn). When a request with no computed tokens is admitted, the hit is the
+cached prefix in whole blocks, at most prompt - 1 tokens; those tokens count as computed, their
+blocks are held (used) like any other, and only the rest is prefilled, so the step costs follow
+the computed tokens. The page's counters follow vLLM 0.33.0's accounting (see VllmPage and
+docs/simulator.md): prefix-cache queries and hits at admission, prompt tokens (cache hits
+included, split by source) when the prompt's last chunk finishes, and one iteration_tokens
+observation per step of the prompt tokens computed by the requests that got their first token
+in it, plus the tokens sampled in it.
+
+Data parallelism: a Simulator runs `data_parallel_size` engines, each with its own batch, KV
+cache, clock and counters; requests go to the least loaded (4 x waiting + running, as vLLM's
+front end balances), except that a session with a cached prefix stays on the engine holding it.
+
 The step's duration comes from `hardware.StepPhysics`; simulated time advances by it. Nothing
 here reads a wall clock: `run_until(t)` is deterministic for a seed, and the HTTP wrapper
 (server.py) paces it against the wall clock.
@@ -27,10 +41,15 @@ from typing import Callable
 from exporter.errors import InputError
 from exporter.presets import get_gpu, get_model_preset
 from exporter.simulator.hardware import HardwareTruth, ModelBytes, ScheduledSequence, StepPhysics, model_bytes, num_gpu_blocks
-from exporter.simulator.scenarios import ClosedLoopGroup, PoissonGroup, Scenario, ScriptedGroup
-from exporter.simulator.vllm_metrics import VllmPage
+from exporter.simulator.scenarios import ClosedLoopGroup, Group, PoissonGroup, Scenario, ScriptedGroup
+from exporter.simulator.vllm_metrics import EngineCounters, VllmPage
 
 _KV_DTYPE_BYTES = {"auto": 2.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
+
+
+# vLLM's DP load balancing (vllm/v1/engine/core_client.py): the engine with the lowest
+# 4 x waiting + running gets the next request.
+_WAITING_WEIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -49,7 +68,9 @@ class ServerSpec:
     kv_cache_dtype: str = "auto"
     weight_bytes_per_param: float = 2.0
     vllm_version: str = "latest"
-    engine_index: str = "0"
+    engine_index: str = "0"  # the first engine's label; data-parallel engines count on from it
+    data_parallel_size: int = 1
+    enable_prefix_caching: bool = True  # vLLM V1's default
     seed: int = 0
     truth: HardwareTruth = field(default_factory=HardwareTruth)
 
@@ -77,10 +98,14 @@ class SimRequest:
     finish_reason_at_max: str = "length"  # "stop" for scenario requests: they model a natural end
     on_token: Callable[["SimRequest"], None] | None = None
     on_finish: Callable[["SimRequest"], None] | None = None
+    cached_prefix_tokens: int = 0  # of the prompt, already in this engine's prefix cache
+    engine: int = 0  # index into Simulator.engines
     output_tokens: int = 0
     computed_tokens: int = 0
     blocks: int = 0
     preemptions: int = 0
+    prefix_hit_tokens: int = 0  # the hit at the latest admission (vLLM's PrefillStats.num_local_cached_tokens)
+    reported_cached_tokens: int = 0  # the hit reported with the first token (OutputProcessor's num_cached_tokens)
     first_scheduled_seconds: float | None = None
     first_token_seconds: float | None = None
     last_token_seconds: float | None = None
@@ -104,13 +129,17 @@ class StepRecord:
     end_seconds: float
     seconds: float
     decode_tokens: int
-    prefill_tokens: int
+    prefill_tokens: int  # prompt (and recomputed) tokens computed in the step; cache hits excluded
     running: int
     waiting: int
     held_tokens: int  # block-rounded tokens held by all running requests
     used_blocks: int
     memory_seconds: float
     compute_seconds: float
+    engine: int = 0
+    sampled_tokens: int = 0  # tokens generated in the step (first tokens included)
+    reported_prompt_tokens: int = 0  # prompt tokens vLLM reports with this step's first tokens
+    iteration_tokens: int = 0  # what vLLM's iteration_tokens_total observes for the step
 
 
 @dataclass
@@ -120,207 +149,98 @@ class _PlannedStep:
     scheduled: list[tuple[SimRequest, int]]
     cost_memory_seconds: float
     cost_compute_seconds: float
+    prefix_lookups: list[tuple[int, int]] = field(default_factory=list)  # (queried tokens, hit tokens)
 
 
-class Simulator:
-    """The engine: scheduler + KV block pool + step physics + the vLLM page, in simulated time."""
+@dataclass
+class _StepTally:
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    sampled_tokens: int = 0
+    reported_prompt_tokens: int = 0
+    itl_same_step: int = 0
 
-    def __init__(self, spec: ServerSpec | None = None, scenario: Scenario | None = None, *,
-                 record_steps: bool = False, created_unix_seconds: float | None = None) -> None:
-        self.spec = spec = spec or ServerSpec()
-        self._validate_spec(spec)
-        self.gpu = get_gpu(spec.gpu)
-        self.architecture = get_model_preset(spec.model)
-        kv_element_bytes = _KV_DTYPE_BYTES.get(spec.kv_cache_dtype.lower())
-        if kv_element_bytes is None:
-            raise InputError(f"--kv-cache-dtype: unknown {spec.kv_cache_dtype!r}; known: {', '.join(_KV_DTYPE_BYTES)}")
-        self.model_bytes: ModelBytes = model_bytes(self.architecture, spec.weight_bytes_per_param, kv_element_bytes)
-        self.num_gpu_blocks = num_gpu_blocks(self.gpu.memory_bytes, spec.gpu_memory_utilization,
-                                             self.model_bytes.weight_bytes, spec.activation_reserve_bytes,
-                                             spec.block_size_tokens, self.model_bytes.kv_bytes_per_token)
-        self.capacity_tokens = self.num_gpu_blocks * spec.block_size_tokens
-        if spec.max_model_len > self.capacity_tokens:
-            raise InputError(
-                f"--max-model-len {spec.max_model_len} is more than the KV cache holds ({self.capacity_tokens} tokens "
-                f"on {spec.gpu} for {spec.model}); lower --max-model-len (vLLM refuses to start the same way)")
-        self._rng = random.Random(spec.seed)
-        self.physics = StepPhysics(spec.truth, self.gpu, self.model_bytes, spec.block_size_tokens,
-                                   spec.weight_bytes_per_param, random.Random(spec.seed + 1))
-        self.page = VllmPage(spec.vllm_version, spec.model_name, spec.max_model_len, self._cache_config(kv_element_bytes),
-                             engine_index=spec.engine_index, created_unix_seconds=created_unix_seconds)
-        self.counters = self.page.counters
-        self.scenario = scenario
+
+class Engine:
+    """One engine core (a data-parallel rank): scheduler + KV block pool + step physics + its counters."""
+
+    def __init__(self, index: int, spec: ServerSpec, num_gpu_blocks: int, physics: StepPhysics,
+                 counters: EngineCounters, *, count_computed_prompt: bool, record_steps: bool) -> None:
+        self.index = index
+        self.spec = spec
+        self.num_gpu_blocks = num_gpu_blocks
+        self.physics = physics
+        self.counters = counters
+        self.count_computed_prompt = count_computed_prompt
         self.now_seconds = 0.0
-        self.free_blocks = self.num_gpu_blocks
+        self.free_blocks = num_gpu_blocks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.steps: list[StepRecord] | None = [] if record_steps else None
         self.step_count = 0
-        self._leaving: list[SimRequest] = []
-        self._arrivals: list[tuple[float, int, Callable[[], None]]] = []
-        self._arrival_order = itertools.count()
-        self._ids = itertools.count()
-        self._planned: _PlannedStep | None = None
-        if scenario is not None:
-            for group in scenario.groups:
-                self._plan_group(group)
-
-    # --- setup ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _validate_spec(spec: ServerSpec) -> None:
-        if not 0 < spec.gpu_memory_utilization <= 1:
-            raise InputError(f"--gpu-memory-utilization must be in (0, 1], got {spec.gpu_memory_utilization!r}")
-        for name in ("block_size_tokens", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(spec, name) < 1:
-                raise InputError(f"{name} must be at least 1, got {getattr(spec, name)!r}")
-
-    def _cache_config(self, kv_element_bytes: float) -> dict[str, str]:
-        spec = self.spec
-        # CacheConfig.metrics_info() stringifies every field (REPORT.md §a.4). No prefix caching is
-        # simulated, so the page says so.
-        return {
-            "block_size": str(spec.block_size_tokens),
-            "gpu_memory_utilization": str(spec.gpu_memory_utilization),
-            "cache_dtype": spec.kv_cache_dtype,
-            "enable_prefix_caching": "False",
-            "prefix_caching_hash_algo": "sha256",
-            "num_gpu_blocks": str(self.num_gpu_blocks),
-            "num_cpu_blocks": "None",
-            "kv_cache_size_tokens": str(self.capacity_tokens),
-            "kv_cache_max_concurrency": f"{self.capacity_tokens / spec.max_model_len:.2f}",
-            "kv_cache_memory_bytes": "None",
-            "sliding_window": str(self.architecture.sliding_window),
-            "is_attention_free": "False",
-        }
-
-    def _plan_group(self, group: ClosedLoopGroup | PoissonGroup | ScriptedGroup) -> None:
-        if isinstance(group, ClosedLoopGroup):
-            for user in range(group.users):
-                self._schedule_arrival(group.first_arrival_seconds(user, self._rng),
-                                       lambda g=group, u=user: self._closed_loop_request(g, u))
-        elif isinstance(group, PoissonGroup):
-            self._schedule_arrival(group.start_seconds + self._rng.expovariate(group.rate_per_second),
-                                   lambda g=group: self._poisson_request(g))
-        else:
-            for _ in range(group.count):
-                self._schedule_arrival(group.at_seconds, lambda g=group: self._add_scenario_request(
-                    g.name, g.prompt_tokens.draw(self._rng), g.output_tokens.draw(self._rng), None,
-                    g.leave_at_seconds))
-
-    def _schedule_arrival(self, at_seconds: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._arrivals, (at_seconds, next(self._arrival_order), action))
-
-    def _closed_loop_request(self, group: ClosedLoopGroup, user: int) -> None:
-        if group.stop_seconds is not None and self.now_seconds >= group.stop_seconds:
-            return
-        self._add_scenario_request(group.name, group.prompt_tokens.draw(self._rng),
-                                   group.output_tokens.draw(self._rng), (group, user), None)
-
-    def _poisson_request(self, group: PoissonGroup) -> None:
-        if group.stop_seconds is not None and self.now_seconds >= group.stop_seconds:
-            return
-        self._add_scenario_request(group.name, group.prompt_tokens.draw(self._rng),
-                                   group.output_tokens.draw(self._rng), None, None)
-        self._schedule_arrival(self.now_seconds + self._rng.expovariate(group.rate_per_second),
-                               lambda: self._poisson_request(group))
-
-    def _add_scenario_request(self, group_name: str, prompt: int, output: int,
-                              closed_loop: tuple[ClosedLoopGroup, int] | None, leave_at: float | None) -> None:
-        prompt, output = self.spec.fit_context(prompt, output)
-        on_finish = None
-        if closed_loop is not None:
-            group, user = closed_loop
-            on_finish = lambda req, g=group, u=user: self._schedule_arrival(  # noqa: E731
-                req.finished_seconds + g.think_seconds, lambda: self._closed_loop_request(g, u))
-        self.submit(prompt, output, group=group_name, user=None if closed_loop is None else closed_loop[1],
-                    leave_at_seconds=leave_at, finish_reason_at_max="stop", on_finish=on_finish)
-
-    # --- the public API ------------------------------------------------------------------
-
-    def submit(self, prompt_tokens: int, max_tokens: int, *, arrival_seconds: float | None = None,
-               group: str = "http", user: int | None = None, leave_at_seconds: float | None = None,
-               finish_reason_at_max: str = "length", on_token: Callable[[SimRequest], None] | None = None,
-               on_finish: Callable[[SimRequest], None] | None = None) -> SimRequest:
-        """Add a request to the waiting queue (it joins the batch at the next step)."""
-        if prompt_tokens < 1 or max_tokens < 1:
-            raise InputError(f"prompt tokens and max_tokens must be at least 1, got {prompt_tokens} and {max_tokens}")
-        if prompt_tokens + max_tokens > self.spec.max_model_len:
-            raise InputError(
-                f"This model's maximum context length is {self.spec.max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).")
-        request = SimRequest(f"cmpl-{next(self._ids)}", prompt_tokens, max_tokens,
-                             max(self.now_seconds, arrival_seconds or 0.0), group=group, user=user,
-                             leave_at_seconds=leave_at_seconds, finish_reason_at_max=finish_reason_at_max,
-                             on_token=on_token, on_finish=on_finish)
-        self.waiting.append(request)
-        if leave_at_seconds is not None:
-            self._leaving.append(request)
-        self._update_gauges()
-        return request
-
-    def abort(self, request: SimRequest) -> None:
-        """The client went away: free the request at once (counted as `abort`)."""
-        if not request.finished:
-            self._finish(request, "abort")
-            self._planned_drop(request)
-            self._update_gauges()
-
-    def next_event_seconds(self) -> float | None:
-        """Simulated time of the next thing that will happen (a step ending or an arrival)."""
-        planned = self._plan_step()
-        if planned is not None:
-            return planned.end_seconds
-        return self._arrivals[0][0] if self._arrivals else None
-
-    def run_until(self, t_seconds: float) -> None:
-        """Advance simulated time to `t_seconds`, running every step that ends by then."""
-        while True:
-            self._admit_arrivals()
-            planned = self._plan_step()
-            if planned is None:
-                next_arrival = self._arrivals[0][0] if self._arrivals else None
-                if next_arrival is None or next_arrival > t_seconds:
-                    self.now_seconds = max(self.now_seconds, t_seconds)
-                    return
-                self.now_seconds = max(self.now_seconds, next_arrival)
-                continue
-            if planned.end_seconds > t_seconds:
-                return
-            self._commit(planned)
-
-    def render_metrics(self) -> bytes:
-        return self.page.render()
+        self.leaving: list[SimRequest] = []
+        self.planned: _PlannedStep | None = None
 
     @property
     def used_blocks(self) -> int:
         return self.num_gpu_blocks - self.free_blocks
 
+    @property
+    def load(self) -> int:
+        return _WAITING_WEIGHT * len(self.waiting) + len(self.running)
+
+    def enqueue(self, request: SimRequest) -> None:
+        request.engine = self.index
+        self.waiting.append(request)
+        if request.leave_at_seconds is not None:
+            self.leaving.append(request)
+        self.update_gauges()
+
+    def abort(self, request: SimRequest) -> None:
+        self.finish(request, "abort")
+        if self.planned is not None:
+            self.planned.scheduled = [(r, n) for r, n in self.planned.scheduled if r is not request]
+        self.update_gauges()
+
     # --- scheduling ----------------------------------------------------------------------
 
-    def _admit_arrivals(self) -> None:
-        while self._arrivals and self._arrivals[0][0] <= self.now_seconds:
-            _, _, action = heapq.heappop(self._arrivals)
-            action()
-
-    def _blocks_for(self, tokens: int) -> int:
+    def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.spec.block_size_tokens)
 
-    def _plan_step(self) -> _PlannedStep | None:
-        """Schedule the next step at the current time (once; cached until committed)."""
-        if self._planned is not None:
-            return self._planned
+    def prefix_hit(self, request: SimRequest) -> int:
+        """The local hit at admission: whole blocks of the cached prefix, at most all tokens but one
+        (vllm/v1/core/kv_cache_manager.py: the last token is always recomputed)."""
+        block = self.spec.block_size_tokens
+        return min(request.cached_prefix_tokens, request.known_tokens - 1) // block * block
+
+    def plan_step(self) -> _PlannedStep | None:
+        """Schedule the next step at this engine's current time (once; cached until committed)."""
+        if self.planned is not None:
+            return self.planned
         self._release_leavers()
         if not self.running and not self.waiting:
             return None
         budget = self.spec.max_num_batched_tokens
         scheduled: list[tuple[SimRequest, int]] = []
+        budget, preempted = self._schedule_running(scheduled, budget)
+        lookups: list[tuple[int, int]] = []
+        if not preempted:  # vLLM admits no new request in a step that had to preempt
+            self._admit_waiting(scheduled, budget, lookups)
+        if not scheduled:
+            return None
+        cost = self.physics.step_cost([
+            ScheduledSequence(new, req.computed_tokens, req.blocks) for req, new in scheduled])
+        self.planned = _PlannedStep(self.now_seconds, self.now_seconds + cost.seconds, scheduled,
+                                    cost.memory_seconds, cost.compute_seconds, lookups)
+        return self.planned
+
+    def _schedule_running(self, scheduled: list[tuple[SimRequest, int]], budget: int) -> tuple[int, bool]:
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             new_tokens = min(request.known_tokens - request.computed_tokens, budget)
-            needed = self._blocks_for(request.computed_tokens + new_tokens) - request.blocks
+            needed = self.blocks_for(request.computed_tokens + new_tokens) - request.blocks
             preempted_itself = False
             while needed > self.free_blocks:
                 victim = self.running.pop()  # the newest running request loses its blocks
@@ -335,27 +255,31 @@ class Simulator:
             scheduled.append((request, new_tokens))
             budget -= new_tokens
             index += 1
-        if not preempted:  # vLLM admits no new request in a step that had to preempt
-            while self.waiting and budget > 0 and len(self.running) < self.spec.max_num_seqs:
-                request = self.waiting[0]
-                new_tokens = min(request.known_tokens - request.computed_tokens, budget)
-                needed = self._blocks_for(request.computed_tokens + new_tokens) - request.blocks
-                if needed > self.free_blocks:
-                    break
-                self.waiting.popleft()
-                self.running.append(request)
-                self._allocate(request, needed)
-                if request.first_scheduled_seconds is None:
-                    request.first_scheduled_seconds = self.now_seconds
-                scheduled.append((request, new_tokens))
-                budget -= new_tokens
-        if not scheduled:
-            return None
-        cost = self.physics.step_cost([
-            ScheduledSequence(new, req.computed_tokens, req.blocks) for req, new in scheduled])
-        self._planned = _PlannedStep(self.now_seconds, self.now_seconds + cost.seconds, scheduled,
-                                     cost.memory_seconds, cost.compute_seconds)
-        return self._planned
+        return budget, preempted
+
+    def _admit_waiting(self, scheduled: list[tuple[SimRequest, int]], budget: int,
+                       lookups: list[tuple[int, int]]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.spec.max_num_seqs:
+            request = self.waiting[0]
+            # The prefix cache is looked up only for a request with nothing computed (scheduler.py).
+            looks_up = request.computed_tokens == 0 and self.spec.enable_prefix_caching
+            hit = self.prefix_hit(request) if looks_up else 0
+            computed = request.computed_tokens + hit
+            new_tokens = min(request.known_tokens - computed, budget)
+            needed = self.blocks_for(computed + new_tokens) - request.blocks
+            if needed > self.free_blocks:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            self._allocate(request, needed)  # cached blocks are held by the request: used blocks
+            if looks_up:
+                request.prefix_hit_tokens = hit
+                request.computed_tokens = computed
+                lookups.append((request.known_tokens, hit))
+            if request.first_scheduled_seconds is None:
+                request.first_scheduled_seconds = self.now_seconds
+            scheduled.append((request, new_tokens))
+            budget -= new_tokens
 
     def _allocate(self, request: SimRequest, blocks: int) -> None:
         if blocks > 0:
@@ -374,66 +298,86 @@ class Simulator:
         self.waiting.appendleft(request)
 
     def _release_leavers(self) -> None:
-        if not self._leaving:
+        if not self.leaving:
             return
-        for request in [r for r in self._leaving if r.leave_at_seconds is not None and r.leave_at_seconds <= self.now_seconds]:
+        for request in [r for r in self.leaving if r.leave_at_seconds is not None and r.leave_at_seconds <= self.now_seconds]:
             if not request.finished:
-                self._finish(request, "stop")
-                self._update_gauges()
-        self._leaving = [r for r in self._leaving if not r.finished]
-
-    def _planned_drop(self, request: SimRequest) -> None:
-        if self._planned is not None:
-            self._planned.scheduled = [(r, n) for r, n in self._planned.scheduled if r is not request]
+                self.finish(request, "stop")
+                self.update_gauges()
+        self.leaving = [r for r in self.leaving if not r.finished]
 
     # --- completing a step ---------------------------------------------------------------
 
-    def _commit(self, planned: _PlannedStep) -> None:
-        self._planned = None
+    def commit(self) -> None:
+        """Finish the planned step: advance this engine's clock to its end and record what it did."""
+        planned = self.planned
+        assert planned is not None
+        self.planned = None
         self.now_seconds = now = planned.end_seconds
         step_seconds = planned.end_seconds - planned.start_seconds
-        histograms = self.counters.histograms
-        decode_tokens = prefill_tokens = 0
-        itl_same_step = 0
+        counters = self.counters
+        for queried, hit in planned.prefix_lookups:  # SchedulerStats.prefix_cache_stats of this step
+            counters.prefix_queries += queried
+            counters.prefix_hits += hit
+        tally = _StepTally()
         for request, new_tokens in planned.scheduled:
-            if request.finished:
-                continue
-            if new_tokens == 1 and request.computed_tokens == request.known_tokens - 1 and request.output_tokens:
-                decode_tokens += 1
-            else:
-                prefill_tokens += new_tokens
-            request.computed_tokens += new_tokens
-            if request.computed_tokens < request.known_tokens:
-                continue
-            # All known tokens are computed: the step samples the next one.
-            request.output_tokens += 1
-            self.counters.generation_tokens += 1
-            if request.first_token_seconds is None:
-                request.first_token_seconds = now
-                histograms["ttft"].observe(now - request.arrival_seconds)
-                self.counters.prompt_tokens += request.prompt_tokens
-            elif request.last_token_seconds is not None and now - request.last_token_seconds == step_seconds:
-                itl_same_step += 1  # the common case: batched into one observation below
-            else:
-                histograms["itl"].observe(now - request.last_token_seconds if request.last_token_seconds else step_seconds)
-            request.last_token_seconds = now
-            if request.on_token is not None:
-                request.on_token(request)
-            if request.output_tokens >= request.max_tokens:
-                self._finish(request, request.finish_reason_at_max)
-        if itl_same_step:
+            if not request.finished:
+                self._advance(request, new_tokens, now, step_seconds, tally)
+        if tally.itl_same_step:
             # One observation per request per decode step, each equal to the step's duration.
-            histograms["itl"].observe(step_seconds, itl_same_step)
-        histograms["iteration_tokens"].observe(decode_tokens + prefill_tokens)
+            counters.histograms["itl"].observe(step_seconds, tally.itl_same_step)
+        iteration_tokens = tally.reported_prompt_tokens + tally.sampled_tokens
+        counters.histograms["iteration_tokens"].observe(iteration_tokens)
         self.step_count += 1
-        self._update_gauges()
+        self.update_gauges()
         if self.steps is not None:
             self.steps.append(StepRecord(
-                planned.start_seconds, now, step_seconds, decode_tokens, prefill_tokens, len(self.running),
-                len(self.waiting), self.used_blocks * self.spec.block_size_tokens, self.used_blocks,
-                planned.cost_memory_seconds, planned.cost_compute_seconds))
+                planned.start_seconds, now, step_seconds, tally.decode_tokens, tally.prefill_tokens,
+                len(self.running), len(self.waiting), self.used_blocks * self.spec.block_size_tokens,
+                self.used_blocks, planned.cost_memory_seconds, planned.cost_compute_seconds, self.index,
+                tally.sampled_tokens, tally.reported_prompt_tokens, iteration_tokens))
 
-    def _finish(self, request: SimRequest, reason: str) -> None:
+    def _advance(self, request: SimRequest, new_tokens: int, now: float, step_seconds: float,
+                 tally: _StepTally) -> None:
+        if new_tokens == 1 and request.computed_tokens == request.known_tokens - 1 and request.output_tokens:
+            tally.decode_tokens += 1
+        else:
+            tally.prefill_tokens += new_tokens
+        request.computed_tokens += new_tokens
+        if request.computed_tokens < request.known_tokens:
+            return  # a chunk that does not finish the prompt emits no output
+        # All known tokens are computed: the step samples the next one.
+        request.output_tokens += 1
+        tally.sampled_tokens += 1
+        self.counters.generation_tokens += 1
+        if request.first_token_seconds is None:
+            request.first_token_seconds = now
+            self.counters.histograms["ttft"].observe(now - request.arrival_seconds)
+            tally.reported_prompt_tokens += self._report_prefill(request)
+        elif request.last_token_seconds is not None and now - request.last_token_seconds == step_seconds:
+            tally.itl_same_step += 1  # the common case: batched into one observation
+        else:
+            self.counters.histograms["itl"].observe(
+                now - request.last_token_seconds if request.last_token_seconds else step_seconds)
+        request.last_token_seconds = now
+        if request.on_token is not None:
+            request.on_token(request)
+        if request.output_tokens >= request.max_tokens:
+            self.finish(request, request.finish_reason_at_max)
+
+    def _report_prefill(self, request: SimRequest) -> int:
+        """The PrefillStats the first output carries: the whole prompt, split into computed and
+        cached tokens. Returns the prompt tokens iteration_tokens_total counts for it."""
+        cached = request.reported_cached_tokens = request.prefix_hit_tokens
+        computed = request.prompt_tokens - cached
+        counters = self.counters
+        counters.prompt_tokens += request.prompt_tokens
+        counters.prompt_tokens_by_source["local_compute"] += computed
+        counters.prompt_tokens_by_source["local_cache_hit"] += cached
+        counters.prompt_tokens_cached += cached
+        return computed if self.count_computed_prompt else request.prompt_tokens
+
+    def finish(self, request: SimRequest, reason: str) -> None:
         request.finish_reason = reason
         request.finished_seconds = self.now_seconds
         self._free(request)
@@ -448,6 +392,7 @@ class Simulator:
         histograms["request_prompt_tokens"].observe(request.prompt_tokens)
         histograms["request_generation_tokens"].observe(request.output_tokens)
         histograms["request_preemptions"].observe(request.preemptions)
+        histograms["prefill_kv_computed"].observe(request.prompt_tokens - request.reported_cached_tokens)
         if request.first_scheduled_seconds is not None:
             histograms["queue_time"].observe(request.first_scheduled_seconds - request.arrival_seconds)
         if request.first_token_seconds is not None and request.output_tokens > 1:
@@ -456,12 +401,247 @@ class Simulator:
         if request.on_finish is not None:
             request.on_finish(request)
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         counters = self.counters
         counters.running = float(len(self.running))
         counters.waiting = float(len(self.waiting))
         # vLLM's block-pool usage: 1 - free / total (vllm/v1/core/block_pool.py get_usage).
         counters.kv_usage_ratio = 1.0 - self.free_blocks / self.num_gpu_blocks
+
+
+class Simulator:
+    """The server: its engines (data-parallel ranks), the workload's arrivals and the vLLM page,
+    in simulated time."""
+
+    def __init__(self, spec: ServerSpec | None = None, scenario: Scenario | None = None, *,
+                 record_steps: bool = False, created_unix_seconds: float | None = None) -> None:
+        spec = spec or ServerSpec()
+        self.spec = spec = scenario.settings.applied_to(spec) if scenario is not None else spec
+        self._validate_spec(spec)
+        self.gpu = get_gpu(spec.gpu)
+        self.architecture = get_model_preset(spec.model)
+        kv_element_bytes = _KV_DTYPE_BYTES.get(spec.kv_cache_dtype.lower())
+        if kv_element_bytes is None:
+            raise InputError(f"--kv-cache-dtype: unknown {spec.kv_cache_dtype!r}; known: {', '.join(_KV_DTYPE_BYTES)}")
+        self.model_bytes: ModelBytes = model_bytes(self.architecture, spec.weight_bytes_per_param, kv_element_bytes)
+        self.num_gpu_blocks = num_gpu_blocks(self.gpu.memory_bytes, spec.gpu_memory_utilization,
+                                             self.model_bytes.weight_bytes, spec.activation_reserve_bytes,
+                                             spec.block_size_tokens, self.model_bytes.kv_bytes_per_token)
+        self.capacity_tokens = self.num_gpu_blocks * spec.block_size_tokens  # per engine
+        if spec.max_model_len > self.capacity_tokens:
+            raise InputError(
+                f"--max-model-len {spec.max_model_len} is more than the KV cache holds ({self.capacity_tokens} tokens "
+                f"on {spec.gpu} for {spec.model}); lower --max-model-len (vLLM refuses to start the same way)")
+        self._rng = random.Random(spec.seed)
+        self.page = VllmPage(spec.vllm_version, spec.model_name, spec.max_model_len,
+                             created_unix_seconds=created_unix_seconds)
+        self.engines = [self._make_engine(index, record_steps) for index in range(spec.data_parallel_size)]
+        self.scenario = scenario
+        self.now_seconds = 0.0
+        self._arrivals: list[tuple[float, int, Callable[[], None]]] = []
+        self._arrival_order = itertools.count()
+        self._ids = itertools.count()
+        self._session_engines: dict[tuple[str, int], Engine] = {}
+        if scenario is not None:
+            for group in scenario.groups:
+                self._plan_group(group)
+
+    # --- setup ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _validate_spec(spec: ServerSpec) -> None:
+        if not 0 < spec.gpu_memory_utilization <= 1:
+            raise InputError(f"--gpu-memory-utilization must be in (0, 1], got {spec.gpu_memory_utilization!r}")
+        for name in ("block_size_tokens", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "data_parallel_size"):
+            if getattr(spec, name) < 1:
+                raise InputError(f"{name} must be at least 1, got {getattr(spec, name)!r}")
+
+    def _make_engine(self, index: int, record_steps: bool) -> Engine:
+        spec = self.spec
+        physics = StepPhysics(spec.truth, self.gpu, self.model_bytes, spec.block_size_tokens,
+                              spec.weight_bytes_per_param, random.Random(spec.seed + 1 + 1_000_003 * index))
+        counters = self.page.add_engine(str(int(spec.engine_index) + index), self._cache_config())
+        return Engine(index, spec, self.num_gpu_blocks, physics, counters,
+                      count_computed_prompt=self.page.layout.iteration_counts_computed_prompt,
+                      record_steps=record_steps)
+
+    def _cache_config(self) -> dict[str, str]:
+        """One engine's CacheConfig as vLLM's front end logs it (CacheConfig.metrics_info() stringifies
+        every field): `num_gpu_blocks` summed over the data-parallel engines, `kv_cache_size_tokens`
+        per engine (vllm/v1/engine/core_client.py)."""
+        spec = self.spec
+        return {
+            "block_size": str(spec.block_size_tokens),
+            "gpu_memory_utilization": str(spec.gpu_memory_utilization),
+            "cache_dtype": spec.kv_cache_dtype,
+            "enable_prefix_caching": str(spec.enable_prefix_caching),
+            "num_gpu_blocks": str(self.num_gpu_blocks * spec.data_parallel_size),
+            "kv_cache_size_tokens": str(self.capacity_tokens),
+            "kv_cache_max_concurrency": str(self.capacity_tokens / spec.max_model_len),
+            "sliding_window": str(self.architecture.sliding_window),
+        }
+
+    def _plan_group(self, group: Group) -> None:
+        if isinstance(group, ClosedLoopGroup):
+            for user in range(group.users):
+                self._schedule_arrival(group.first_arrival_seconds(user, self._rng),
+                                       lambda g=group, u=user: self._closed_loop_request(g, u))
+        elif isinstance(group, PoissonGroup):
+            self._schedule_arrival(group.start_seconds + self._rng.expovariate(group.rate_per_second),
+                                   lambda g=group: self._poisson_request(g))
+        else:
+            for _ in range(group.count):
+                self._schedule_arrival(group.at_seconds, lambda g=group: self._add_scenario_request(g, None))
+
+    def _schedule_arrival(self, at_seconds: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._arrivals, (at_seconds, next(self._arrival_order), action))
+
+    def _closed_loop_request(self, group: ClosedLoopGroup, user: int) -> None:
+        if group.stop_seconds is not None and self.now_seconds >= group.stop_seconds:
+            return
+        self._add_scenario_request(group, user)
+
+    def _poisson_request(self, group: PoissonGroup) -> None:
+        if group.stop_seconds is not None and self.now_seconds >= group.stop_seconds:
+            return
+        self._add_scenario_request(group, None)
+        self._schedule_arrival(self.now_seconds + self._rng.expovariate(group.rate_per_second),
+                               lambda: self._poisson_request(group))
+
+    def _add_scenario_request(self, group: Group, user: int | None) -> None:
+        prompt, output = self.spec.fit_context(group.prompt_tokens.draw(self._rng), group.output_tokens.draw(self._rng))
+        on_finish = None
+        if isinstance(group, ClosedLoopGroup) and user is not None:
+            on_finish = lambda req, g=group, u=user: self._schedule_arrival(  # noqa: E731
+                req.finished_seconds + g.think_seconds, lambda: self._closed_loop_request(g, u))
+        leave_at = group.leave_at_seconds if isinstance(group, ScriptedGroup) else None
+        self.submit(prompt, output, group=group.name, user=user, leave_at_seconds=leave_at,
+                    finish_reason_at_max="stop", on_finish=on_finish,
+                    cached_prefix_tokens=round(prompt * group.cached_ratio))
+
+    # --- the public API ------------------------------------------------------------------
+
+    def submit(self, prompt_tokens: int, max_tokens: int, *, arrival_seconds: float | None = None,
+               group: str = "http", user: int | None = None, leave_at_seconds: float | None = None,
+               finish_reason_at_max: str = "length", on_token: Callable[[SimRequest], None] | None = None,
+               on_finish: Callable[[SimRequest], None] | None = None, cached_prefix_tokens: int = 0) -> SimRequest:
+        """Add a request to an engine's waiting queue (it joins that engine's batch at its next step).
+
+        `cached_prefix_tokens`: how much of the prompt is already in the prefix cache (a re-sent
+        conversation); the hit is found in whole blocks at admission."""
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise InputError(f"prompt tokens and max_tokens must be at least 1, got {prompt_tokens} and {max_tokens}")
+        if prompt_tokens + max_tokens > self.spec.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.spec.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).")
+        if not 0 <= cached_prefix_tokens <= prompt_tokens:
+            raise InputError(f"cached prefix must be 0 to {prompt_tokens} tokens, got {cached_prefix_tokens}")
+        request = SimRequest(f"cmpl-{next(self._ids)}", prompt_tokens, max_tokens,
+                             max(self.now_seconds, arrival_seconds or 0.0), group=group, user=user,
+                             leave_at_seconds=leave_at_seconds, finish_reason_at_max=finish_reason_at_max,
+                             on_token=on_token, on_finish=on_finish, cached_prefix_tokens=cached_prefix_tokens)
+        self._engine_for(request).enqueue(request)
+        return request
+
+    def abort(self, request: SimRequest) -> None:
+        """The client went away: free the request at once (counted as `abort`)."""
+        if not request.finished:
+            self.engines[request.engine].abort(request)
+
+    def next_event_seconds(self) -> float | None:
+        """Simulated time of the next thing that will happen (a step ending or an arrival)."""
+        earliest = self._earliest_step()
+        if earliest is not None:
+            return earliest[0]
+        return self._arrivals[0][0] if self._arrivals else None
+
+    def run_until(self, t_seconds: float) -> None:
+        """Advance simulated time to `t_seconds`, running every step that ends by then. Arrivals
+        are handed to the engines at step boundaries (of any engine), or at once when all are idle."""
+        while True:
+            self._admit_arrivals()
+            earliest = self._earliest_step()
+            if earliest is None:
+                next_arrival = self._arrivals[0][0] if self._arrivals else None
+                if next_arrival is None or next_arrival > t_seconds:
+                    self.now_seconds = max(self.now_seconds, t_seconds)
+                    return
+                self.now_seconds = max(self.now_seconds, next_arrival)
+                continue
+            end_seconds, engine = earliest
+            if end_seconds > t_seconds:
+                return
+            self.now_seconds = end_seconds  # callbacks of the step (tokens, finishes) see its end
+            engine.commit()
+
+    def render_metrics(self) -> bytes:
+        return self.page.render()
+
+    @property
+    def engine(self) -> Engine:
+        """The only engine (for a server without data parallelism)."""
+        if len(self.engines) != 1:
+            raise InputError(f"this server runs {len(self.engines)} data-parallel engines: pick one of .engines")
+        return self.engines[0]
+
+    @property
+    def counters(self) -> EngineCounters:
+        return self.engine.counters
+
+    @property
+    def steps(self) -> list[StepRecord] | None:
+        return self.engine.steps
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.step_count
+
+    @property
+    def used_blocks(self) -> int:
+        return self.engine.used_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.engine.free_blocks
+
+    @property
+    def running(self) -> list[SimRequest]:
+        """Running requests of every engine."""
+        return [request for engine in self.engines for request in engine.running]
+
+    @property
+    def waiting(self) -> list[SimRequest]:
+        """Waiting requests of every engine."""
+        return [request for engine in self.engines for request in engine.waiting]
+
+    # --- scheduling across engines -------------------------------------------------------
+
+    def _engine_for(self, request: SimRequest) -> Engine:
+        session = (request.group, request.user) if request.user is not None and request.cached_prefix_tokens else None
+        if session is not None and session in self._session_engines:
+            return self._session_engines[session]  # its cached prefix lives there
+        engine = min(self.engines, key=lambda e: (e.load, e.index))
+        if session is not None:
+            self._session_engines[session] = engine
+        return engine
+
+    def _admit_arrivals(self) -> None:
+        while self._arrivals and self._arrivals[0][0] <= self.now_seconds:
+            _, _, action = heapq.heappop(self._arrivals)
+            action()
+
+    def _earliest_step(self) -> tuple[float, Engine] | None:
+        """(end, engine) of the planned step that ends first (idle engines' clocks catch up to now first)."""
+        earliest: tuple[float, Engine] | None = None
+        for engine in self.engines:
+            if engine.planned is None:
+                engine.now_seconds = max(engine.now_seconds, self.now_seconds)
+            planned = engine.plan_step()
+            if planned is not None and (earliest is None or planned.end_seconds < earliest[0]):
+                earliest = (planned.end_seconds, engine)
+        return earliest
 
 
 def single_stream_token_seconds(spec: ServerSpec, context_tokens: int, output_tokens: int) -> list[float]:

@@ -6,15 +6,18 @@ A scenario is a list of request groups on a simulated-time line:
   * `poisson` — open-loop arrivals at a rate per second (Poisson process) between start and stop;
   * `scripted` — `count` requests at a fixed time, optionally leaving at `leave_at` (an agent
     session that ends while still generating).
-Token counts are drawn uniformly in mean x (1 ± spread). The YAML format is in docs/simulator.md.
+Token counts are drawn uniformly in mean x (1 ± spread). Any group may say that a share of each
+prompt is already in the prefix cache (`cached`: an agent re-sending its conversation). A scenario
+may also set up the server (`settings`: vLLM release line, data-parallel engines, KV cache dtype),
+over the defaults and under explicit command-line flags. The YAML format is in docs/simulator.md.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import yaml
 
@@ -46,6 +49,7 @@ class ClosedLoopGroup:
     start_seconds: float = 0.0
     stop_seconds: float | None = None
     ramp_seconds: float = 10.0  # users start spread over this long, so their requests do not move in lockstep
+    cached_ratio: float = 0.0  # share of each prompt already in the prefix cache
 
     def first_arrival_seconds(self, user: int, rng: random.Random) -> float:
         """When `user` (0 to users - 1) sends its first request: a random moment in its share of the ramp."""
@@ -60,6 +64,7 @@ class PoissonGroup:
     output_tokens: TokenCount
     start_seconds: float = 0.0
     stop_seconds: float | None = None
+    cached_ratio: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,29 @@ class ScriptedGroup:
     output_tokens: TokenCount
     count: int = 1
     leave_at_seconds: float | None = None
+    cached_ratio: float = 0.0
 
 
 Group = Union[ClosedLoopGroup, PoissonGroup, ScriptedGroup]
+Spec = TypeVar("Spec")
+
+
+@dataclass(frozen=True)
+class ScenarioSettings:
+    """Server settings a scenario asks for (None: keep the server's own); names as ServerSpec's."""
+
+    vllm_version: str | None = None
+    data_parallel_size: int | None = None
+    kv_cache_dtype: str | None = None
+    enable_prefix_caching: bool | None = None
+
+    def applied_to(self, spec: Spec) -> Spec:
+        changes = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return replace(spec, **changes)  # type: ignore[type-var]
+
+    def overridden_by(self, other: "ScenarioSettings") -> "ScenarioSettings":
+        return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
+                                if getattr(other, f.name) is not None})
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,7 @@ class Scenario:
     description: str
     groups: tuple[Group, ...]
     timeline: tuple[tuple[float, str], ...] = ()  # (simulated seconds, what happens) for people
+    settings: ScenarioSettings = field(default_factory=ScenarioSettings)
 
 
 def _chats(users: int = 40, name: str = "chat") -> ClosedLoopGroup:
@@ -91,6 +117,15 @@ def _chats(users: int = 40, name: str = "chat") -> ClosedLoopGroup:
 
 AGENTS_JOIN_SECONDS = 120.0
 AGENTS_LEAVE_SECONDS = 420.0
+CACHED_AGENT_CONTEXT_TOKENS = 100_000
+CACHED_AGENT_CACHED_RATIO = 0.99
+
+
+def _cached_agents(sessions: int = 2) -> ClosedLoopGroup:
+    # Tool-calling agents: every turn re-sends the whole ~100,000-token conversation, 99% of it
+    # already in the prefix cache, and answers with a short ~100-token tool call; the tool returns at once.
+    return ClosedLoopGroup("agent", sessions, TokenCount(CACHED_AGENT_CONTEXT_TOKENS, 0.02), TokenCount(100, 0.2),
+                           ramp_seconds=10.0, cached_ratio=CACHED_AGENT_CACHED_RATIO)
 
 
 def builtin_scenarios() -> dict[str, Scenario]:
@@ -113,6 +148,13 @@ def builtin_scenarios() -> dict[str, Scenario]:
                                       stop_seconds=240.0)),
             ((0.0, "32 chat users start"), (60.0, "8,000-token prompts start arriving, 3 per second"),
              (240.0, "the burst ends"))),
+        "agents-cached": Scenario(
+            "agents-cached",
+            "steady-chat plus two agent sessions re-sending ~100,000-token conversations, 99% from the prefix cache, "
+            "for ~100-token tool calls (vLLM 0.33 page)",
+            (_chats(), _cached_agents()),
+            ((0.0, "40 chat users and 2 agent sessions start; each agent turn computes only ~1,000 new prompt tokens"),),
+            ScenarioSettings(vllm_version="0.33")),
         "overload": Scenario(
             "overload", "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
             (ClosedLoopGroup("long-chat", 64, TokenCount(6000, 0.2), TokenCount(2000, 0.2), ramp_seconds=5.0),),
@@ -141,16 +183,17 @@ def load_scenario(name_or_path: str) -> Scenario:
 
 
 _GROUP_KEYS = {
-    "closed": {"name", "kind", "users", "prompt_tokens", "output_tokens", "think", "start", "stop", "ramp"},
-    "poisson": {"name", "kind", "rate_per_second", "prompt_tokens", "output_tokens", "start", "stop"},
-    "scripted": {"name", "kind", "at", "count", "prompt_tokens", "output_tokens", "leave_at"},
+    "closed": {"name", "kind", "users", "prompt_tokens", "output_tokens", "think", "start", "stop", "ramp", "cached"},
+    "poisson": {"name", "kind", "rate_per_second", "prompt_tokens", "output_tokens", "start", "stop", "cached"},
+    "scripted": {"name", "kind", "at", "count", "prompt_tokens", "output_tokens", "leave_at", "cached"},
 }
+_SETTINGS_KEYS = {"vllm_version", "data_parallel_size", "kv_cache_dtype", "enable_prefix_caching"}
 
 
 def scenario_from_dict(document: Any, where: str = "scenario") -> Scenario:
     if not isinstance(document, dict):
         raise InputError(f"{where}: expected a mapping with keys name, description, groups")
-    _no_unknown_keys(document, {"name", "description", "groups"}, where)
+    _no_unknown_keys(document, {"name", "description", "groups", "settings"}, where)
     groups_doc = document.get("groups")
     if not isinstance(groups_doc, list) or not groups_doc:
         raise InputError(f"{where}: 'groups' must be a non-empty list")
@@ -159,7 +202,24 @@ def scenario_from_dict(document: Any, where: str = "scenario") -> Scenario:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise InputError(f"{where}: group names must be unique; repeated: {', '.join(duplicates)}")
-    return Scenario(str(document.get("name", Path(where).stem)), str(document.get("description", "")), groups)
+    return Scenario(str(document.get("name", Path(where).stem)), str(document.get("description", "")), groups,
+                    settings=_settings(document.get("settings", {}), f"{where}: settings"))
+
+
+def _settings(doc: Any, where: str) -> ScenarioSettings:
+    if not isinstance(doc, dict):
+        raise InputError(f"{where}: expected a mapping with keys {', '.join(sorted(_SETTINGS_KEYS))}")
+    _no_unknown_keys(doc, _SETTINGS_KEYS, where)
+    size = doc.get("data_parallel_size")
+    caching = doc.get("enable_prefix_caching")
+    if caching is not None and not isinstance(caching, bool):
+        raise InputError(f"{where}.enable_prefix_caching: must be true or false, got {caching!r}")
+    return ScenarioSettings(
+        vllm_version=None if doc.get("vllm_version") is None else str(doc["vllm_version"]),
+        data_parallel_size=None if size is None else int(_number(doc, "data_parallel_size", where, minimum=1,
+                                                                 integer=True)),
+        kv_cache_dtype=None if doc.get("kv_cache_dtype") is None else str(doc["kv_cache_dtype"]),
+        enable_prefix_caching=caching)
 
 
 def _group(doc: Any, where: str) -> Group:
@@ -173,21 +233,25 @@ def _group(doc: Any, where: str) -> Group:
     prompt = _tokens(doc, "prompt_tokens", where)
     output = _tokens(doc, "output_tokens", where)
     start = _number(doc, "start", where, default=0.0, minimum=0.0)
+    cached = _number(doc, "cached", where, default=0.0, minimum=0.0)
+    if cached > 1:
+        raise InputError(f"{where}.cached: a share of the prompt, 0 to 1, got {cached!r}")
     if kind == "closed":
         return ClosedLoopGroup(name, int(_number(doc, "users", where, minimum=1, integer=True)), prompt, output,
                                think_seconds=_number(doc, "think", where, default=0.0, minimum=0.0),
                                start_seconds=start, stop_seconds=_stop(doc, start, where),
-                               ramp_seconds=_number(doc, "ramp", where, default=10.0, minimum=0.0))
+                               ramp_seconds=_number(doc, "ramp", where, default=10.0, minimum=0.0),
+                               cached_ratio=cached)
     if kind == "poisson":
         return PoissonGroup(name, _number(doc, "rate_per_second", where, exclusive_minimum=0.0), prompt, output,
-                            start_seconds=start, stop_seconds=_stop(doc, start, where))
+                            start_seconds=start, stop_seconds=_stop(doc, start, where), cached_ratio=cached)
     at = _number(doc, "at", where, minimum=0.0)
     leave_at = doc.get("leave_at")
     if leave_at is not None and _number(doc, "leave_at", where) <= at:
         raise InputError(f"{where}.leave_at: must be after at={at:g}, got {leave_at!r}")
     return ScriptedGroup(name, at, prompt, output, count=int(_number(doc, "count", where, default=1, minimum=1,
                                                                      integer=True)),
-                         leave_at_seconds=None if leave_at is None else float(leave_at))
+                         leave_at_seconds=None if leave_at is None else float(leave_at), cached_ratio=cached)
 
 
 def _no_unknown_keys(doc: dict[str, Any], allowed: set[str], where: str) -> None:

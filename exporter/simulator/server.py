@@ -5,6 +5,8 @@ clock at `speed` (simulated seconds per wall second): it runs every step whose e
 clock has passed, then sleeps until the next step ends (step / speed). A token is streamed when
 the step that produced it ends, so a client timing the gaps between chunks at speed 1 measures the
 step time, as it would against vLLM. The engine and the HTTP handlers share one lock.
+With `paced=False` no engine thread runs: simulated time moves only when the caller says
+(`ServerHandle.run_until`), so a test can poll the real HTTP page at exact simulated instants.
 """
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ def prompt_token_count(prompt: Any) -> int:
 class PacedEngine:
     """Runs a Simulator against the wall clock in a thread."""
 
-    def __init__(self, simulator: Simulator, speed: float) -> None:
+    def __init__(self, simulator: Simulator, speed: float, paced: bool = True) -> None:
         if not speed > 0:
             raise InputError(f"--speed must be greater than 0, got {speed!r}")
         self.simulator = simulator
         self.speed = speed
+        self.paced = paced
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -60,7 +63,13 @@ class PacedEngine:
     def start(self) -> None:
         self._wall_origin = time.monotonic()
         self._simulated_origin = self.simulator.now_seconds
-        self._thread.start()
+        if self.paced:
+            self._thread.start()
+
+    def run_until(self, t_seconds: float) -> None:
+        """Advance simulated time by hand (an unpaced engine)."""
+        with self.lock:
+            self.simulator.run_until(t_seconds)
 
     def stop(self) -> None:
         self._stop.set()
@@ -78,8 +87,9 @@ class PacedEngine:
 
     def submit(self, prompt_tokens: int, max_tokens: int, **callbacks: Any) -> SimRequest:
         with self.lock:
+            now = self.simulator.now_seconds
             request = self.simulator.submit(prompt_tokens, max_tokens,
-                                            arrival_seconds=max(self.simulator.now_seconds, self.target_seconds()),
+                                            arrival_seconds=max(now, self.target_seconds()) if self.paced else now,
                                             **callbacks)
         self._wake.set()
         return request
@@ -280,6 +290,10 @@ class ServerHandle:
     def simulator(self) -> Simulator:
         return self.engine.simulator
 
+    def run_until(self, t_seconds: float) -> None:
+        """Advance simulated time to `t_seconds` (a server started with `paced=False`)."""
+        self.engine.run_until(t_seconds)
+
     def stop(self) -> None:
         self.engine.stop()
         self._http.shutdown()
@@ -294,10 +308,13 @@ class ServerHandle:
 
 
 def start_server(host: str = "127.0.0.1", port: int = 0, scenario: Scenario | None = None, speed: float = 1.0,
-                 spec: ServerSpec | None = None, *, access_log: bool = False) -> ServerHandle:
-    """Start a simulated server in this process (port 0 picks a free port). Stop it with `.stop()`."""
-    simulator = Simulator(spec or ServerSpec(), scenario)
-    engine = PacedEngine(simulator, speed)
+                 spec: ServerSpec | None = None, *, access_log: bool = False, paced: bool = True,
+                 record_steps: bool = False) -> ServerHandle:
+    """Start a simulated server in this process (port 0 picks a free port). Stop it with `.stop()`.
+
+    `paced=False`: no engine thread; simulated time moves only by `ServerHandle.run_until`."""
+    simulator = Simulator(spec or ServerSpec(), scenario, record_steps=record_steps)
+    engine = PacedEngine(simulator, speed, paced)
     try:
         http = _SimulatorHTTPServer((host, port), engine, access_log)
     except OSError as error:

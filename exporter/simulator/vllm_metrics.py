@@ -4,7 +4,9 @@ vLLM declares prometheus_client Counters/Gauges/Histograms in `vllm/v1/metrics/l
 page is prometheus_client's text format (`_created` series included in single-process mode).
 Names, HELP strings, types, label names and default bucket edges below are copied from
 shared/reference/vllm_metrics/REPORT.md §a.2–a.5 (loggers.py @5b846bf6, buckets.py @139b1c3f and
-the older versions it lists). The simulator keeps its own plain-number counters (a step updates
+the older versions it lists); the "0.33" and "0.23" release lines from the genuine pages in
+shared/reference/vllm_metrics/genuine/ (FAMILIES.md). One page serves every data-parallel engine:
+each family carries one series per `engine`, as vLLM's single API server does. The simulator keeps its own plain-number counters (a step updates
 dozens of requests at once) and a custom collector turns them into prometheus_client families on a
 PRIVATE CollectorRegistry, so `generate_latest` renders them exactly like vLLM's own objects:
 counters get `_total` and a separate `_created` family, `le` values print as floats.
@@ -64,6 +66,7 @@ class Family:
     kind: str  # "gauge" | "counter" | "histogram"
     extra_labels: tuple[str, ...] = ()
     buckets: str = ""  # "ttft" | "itl" | "reqlat" | "iter" | "125" | "preempt"
+    sources: tuple[str, ...] = ()  # the `source` label's values, for a by-source counter
 
 
 _H_RUNNING = "Number of requests in model execution batches."
@@ -106,6 +109,26 @@ _CURRENT: tuple[Family, ...] = (
            "Number of preemptions per finished request.", "histogram", buckets="preempt"),
 )
 
+# vLLM 0.33.0 (genuine pages): prompt tokens split by where they came from. The sources are in
+# the order vLLM pre-creates them (vllm/v1/metrics/loggers.py).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+_PROMPT_BY_SOURCE = Family("prompt_by_source", "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                           "counter", ("source",), sources=PROMPT_SOURCES)
+_PROMPT_CACHED = Family("prompt_cached", "vllm:prompt_tokens_cached",
+                        "Number of cached prompt tokens (local + external).", "counter")
+_PROMPT_CACHED_BY_SOURCE = Family(
+    "prompt_cached_by_source", "vllm:prompt_tokens_cached_by_source",
+    "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), "
+    "disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to "
+    "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.", "counter", ("source",), sources=CACHED_SOURCES)
+_PREFILL_KV_COMPUTED = Family(
+    "prefill_kv_computed", "vllm:request_prefill_kv_computed_tokens",
+    "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "histogram", buckets="125")
+_REQUEST_PREEMPTIONS_0_33 = Family("request_preemptions", "vllm:request_num_preemptions",
+                                   "Histogram of the number of times a request was preempted.", "histogram",
+                                   buckets="preempt")
+
 _TPOT_OLD = Family("itl", "vllm:time_per_output_token_seconds",
                    "Histogram of time per output token in seconds.", "histogram", buckets="itl")
 _TPOT_DEPRECATED = Family("tpot_deprecated", "vllm:time_per_output_token_seconds",
@@ -129,6 +152,11 @@ def _drop(families: tuple[Family, ...], *keys: str) -> tuple[Family, ...]:
     return tuple(f for f in families if f.key not in keys)
 
 
+def _with_prompt_sources(families: tuple[Family, ...], *extra: Family) -> tuple[Family, ...]:
+    """Insert the by-source prompt counters after `vllm:prompt_tokens`, as the genuine pages order them."""
+    return _replace(families, "prompt_tokens", *(f for f in families if f.key == "prompt_tokens"), *extra)
+
+
 @dataclass(frozen=True)
 class VersionLayout:
     """What one vLLM release line exposes (REPORT.md §a.5 rename table)."""
@@ -137,6 +165,8 @@ class VersionLayout:
     engine_label: bool
     finish_reasons: tuple[str, ...]
     cache_config_labels: tuple[str, ...]
+    # iteration_tokens_total observes computed (uncached) prompt tokens, not whole prompts.
+    iteration_counts_computed_prompt: bool = False
 
 
 _CACHE_LABELS_CURRENT = ("block_size", "gpu_memory_utilization", "cache_dtype", "enable_prefix_caching",
@@ -145,11 +175,51 @@ _CACHE_LABELS_CURRENT = ("block_size", "gpu_memory_utilization", "cache_dtype", 
 _CACHE_LABELS_OLD = ("block_size", "gpu_memory_utilization", "cache_dtype", "enable_prefix_caching",
                      "num_gpu_blocks", "num_cpu_blocks", "sliding_window", "is_attention_free")
 
+# `vllm:cache_config_info` labels of the genuine pages: every CacheConfig field (metrics_info()).
+_CACHE_LABELS_0_23 = ("_block_size_resolved", "block_size", "cache_dtype", "calculate_kv_scales",
+                      "enable_prefix_caching", "gpu_memory_utilization", "hash_block_size", "is_attention_free",
+                      "kv_cache_dtype_skip_layers", "kv_cache_memory_bytes", "kv_offloading_backend",
+                      "kv_offloading_size", "kv_sharing_fast_prefill", "mamba_block_size", "mamba_cache_dtype",
+                      "mamba_cache_mode", "mamba_page_size_padded", "mamba_ssm_cache_dtype", "num_cpu_blocks",
+                      "num_gpu_blocks", "num_gpu_blocks_override", "prefix_caching_hash_algo", "sliding_window",
+                      "user_specified_block_size", "user_specified_mamba_block_size")
+_CACHE_LABELS_0_33 = ("_block_size_resolved", "block_size", "cache_dtype", "cache_hit_alignment_tokens",
+                      "effective_attention_block_size", "enable_mamba_shared_prefix_checkpoint",
+                      "enable_prefix_caching", "gpu_memory_utilization", "hash_block_size", "is_attention_free",
+                      "kv_cache_dtype_skip_layers", "kv_cache_layout", "kv_cache_max_concurrency",
+                      "kv_cache_memory_bytes", "kv_cache_size_tokens", "kv_offloading_backend", "kv_offloading_size",
+                      "kv_sharing_fast_prefill", "mamba_block_size", "mamba_cache_dtype", "mamba_cache_mode",
+                      "mamba_page_size_padded", "mamba_ssm_cache_dtype", "num_cpu_blocks", "num_gpu_blocks",
+                      "num_gpu_blocks_override", "prefix_cache_retention_interval", "prefix_caching_hash_algo",
+                      "prefix_match_unit", "replayssm_buffer_len", "simple_cpu_offload_num_blocks",
+                      "skip_page_size_padded", "sliding_window", "swa_bounded_replay", "use_kda_recoverssm",
+                      "use_replayssm", "user_specified_block_size")
+# The values the genuine 0.33.0 pages show for the fields the simulator has no setting for.
+CACHE_LABEL_DEFAULTS = {
+    "_block_size_resolved": "True", "calculate_kv_scales": "False", "enable_mamba_shared_prefix_checkpoint": "False",
+    "kv_cache_dtype_skip_layers": "[]", "kv_offloading_backend": "native", "kv_sharing_fast_prefill": "False",
+    "mamba_cache_dtype": "auto", "mamba_cache_mode": "none", "mamba_ssm_cache_dtype": "auto",
+    "prefix_cache_retention_interval": "0", "prefix_caching_hash_algo": "sha256", "replayssm_buffer_len": "16",
+    "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+    "user_specified_block_size": "True", "user_specified_mamba_block_size": "False", "is_attention_free": "False",
+}
+
 _BASE_0_11 = _drop(_CURRENT, "request_tpot", "request_preemptions", "waiting_by_reason")
+_GENUINE_0_33 = _with_prompt_sources(
+    _replace(_CURRENT, "request_preemptions", _REQUEST_PREEMPTIONS_0_33),
+    _PROMPT_BY_SOURCE, _PROMPT_CACHED, _PROMPT_CACHED_BY_SOURCE) + (_PREFILL_KV_COMPUTED,)
 
 VERSIONS: dict[str, VersionLayout] = {
-    # current main / 0.12 and later: kv_cache_usage_perc and inter_token_latency_seconds only.
+    # the reconstruction of vLLM main (tests/data/vllm_reference; 0.12 and later): kv_cache_usage_perc
+    # and inter_token_latency_seconds only.
     "latest": VersionLayout(_CURRENT, True, FINISH_REASONS, _CACHE_LABELS_CURRENT),
+    # 0.33.0, as its genuine pages: prompt tokens by source, cached prompt tokens, prefix-cache
+    # counters in tokens, kv_cache_size_tokens per engine in cache_config_info.
+    "0.33": VersionLayout(_GENUINE_0_33, True, FINISH_REASONS, _CACHE_LABELS_0_33, True),
+    # 0.23.0: the same less prompt_tokens_cached_by_source and request_num_preemptions, and a
+    # CacheConfig without kv_cache_size_tokens / kv_cache_max_concurrency (they came in 0.24.0).
+    "0.23": VersionLayout(_drop(_GENUINE_0_33, "prompt_cached_by_source", "request_preemptions"), True,
+                          FINISH_REASONS, _CACHE_LABELS_0_23, True),
     # 0.11.x: TPOT still exported beside ITL, marked deprecated.
     "0.11": VersionLayout(_replace(_BASE_0_11, "itl", _CURRENT[14], _TPOT_DEPRECATED), True,
                           FINISH_REASONS_0_8, _CACHE_LABELS_OLD),
@@ -208,35 +278,46 @@ class HistogramValue:
 
 @dataclass
 class EngineCounters:
-    """Everything the page shows, as plain numbers the engine updates."""
+    """Everything the page shows for one engine, as plain numbers the engine updates."""
 
     running: float = 0.0
     waiting: float = 0.0
     kv_usage_ratio: float = 0.0
     preemptions: float = 0.0
-    prompt_tokens: float = 0.0
+    prompt_tokens: float = 0.0  # whole prompts, cache hits included (vLLM's prompt_token_stats.total)
+    prompt_tokens_by_source: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PROMPT_SOURCES, 0.0))
+    prompt_tokens_cached: float = 0.0
+    prefix_queries: float = 0.0  # tokens looked up at admission
+    prefix_hits: float = 0.0  # of which found in the local prefix cache (device)
     generation_tokens: float = 0.0
     request_success: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, HistogramValue] = field(default_factory=dict)
 
+    def counter_values(self) -> dict[str, float]:
+        return {"preemptions": self.preemptions, "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens, "prefix_queries": self.prefix_queries,
+                "prefix_hits": self.prefix_hits, "prompt_cached": self.prompt_tokens_cached}
+
+    def by_source(self, key: str) -> dict[str, float]:
+        if key == "prompt_by_source":
+            return self.prompt_tokens_by_source
+        return {**dict.fromkeys(CACHED_SOURCES, 0.0), "device": self.prefix_hits}
+
 
 class VllmPage:
-    """Renders one simulated engine's counters as vLLM's /metrics page."""
+    """Renders the counters of one server's engines (data-parallel ranks) as vLLM's /metrics page."""
 
-    def __init__(self, version: str, model_name: str, max_model_len: int, cache_config: dict[str, str],
-                 engine_index: str = "0", created_unix_seconds: float | None = None) -> None:
+    def __init__(self, version: str, model_name: str, max_model_len: int,
+                 created_unix_seconds: float | None = None) -> None:
         self.layout = version_layout(version)
         self.model_name = model_name
-        self.engine_index = engine_index
         self.created_unix_seconds = time.time() if created_unix_seconds is None else created_unix_seconds
-        self.cache_config = {key: cache_config.get(key, "None") for key in self.layout.cache_config_labels}
-        edges = {"ttft": TTFT_BUCKETS_SECONDS, "itl": ITL_BUCKETS_SECONDS, "reqlat": REQUEST_LATENCY_BUCKETS_SECONDS,
-                 "iter": tuple(float(b) for b in ITERATION_TOKEN_BUCKETS), "125": buckets_1_2_5(max_model_len),
-                 "preempt": tuple(float(b) for b in PREEMPTION_BUCKETS)}
-        self.counters = EngineCounters(request_success={reason: 0.0 for reason in self.layout.finish_reasons})
-        for family in _CURRENT + (_TPOT_DEPRECATED,):
-            if family.kind == "histogram":
-                self.counters.histograms[family.key] = HistogramValue(edges[family.buckets])
+        self._edges = {"ttft": TTFT_BUCKETS_SECONDS, "itl": ITL_BUCKETS_SECONDS,
+                       "reqlat": REQUEST_LATENCY_BUCKETS_SECONDS,
+                       "iter": tuple(float(b) for b in ITERATION_TOKEN_BUCKETS), "125": buckets_1_2_5(max_model_len),
+                       "preempt": tuple(float(b) for b in PREEMPTION_BUCKETS)}
+        self.engines: dict[str, EngineCounters] = {}
+        self.cache_configs: dict[str, dict[str, str]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         # A real vLLM page carries the process's own python_*/process_* families.
         ProcessCollector(registry=self.registry)
@@ -244,45 +325,61 @@ class VllmPage:
         GCCollector(registry=self.registry)
         self.registry.register(_PageCollector(self))
 
+    def add_engine(self, engine_index: str, cache_config: dict[str, str]) -> EngineCounters:
+        """Counters for one more engine; `cache_config` is its CacheConfig as label values."""
+        if self.engines and not self.layout.engine_label:
+            raise InputError("this vLLM version's page has no engine label: it cannot show several engines")
+        counters = EngineCounters(request_success={reason: 0.0 for reason in self.layout.finish_reasons})
+        for family in _CURRENT + (_TPOT_DEPRECATED, _PREFILL_KV_COMPUTED):
+            if family.kind == "histogram":
+                counters.histograms[family.key] = HistogramValue(self._edges[family.buckets])
+        self.engines[engine_index] = counters
+        self.cache_configs[engine_index] = {key: cache_config.get(key, CACHE_LABEL_DEFAULTS.get(key, "None"))
+                                            for key in self.layout.cache_config_labels}
+        return counters
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def base_labels(self) -> dict[str, str]:
+    def base_labels(self, engine_index: str) -> dict[str, str]:
         labels = {"model_name": self.model_name}
         if self.layout.engine_label:
-            labels["engine"] = self.engine_index
+            labels["engine"] = engine_index
         return labels
 
     def families(self) -> Iterator[Metric]:
-        counters = self.counters
-        base = self.base_labels()
-        gauge_values = {"running": counters.running, "waiting": counters.waiting,
-                        "kv_usage": counters.kv_usage_ratio, "kv_usage_deprecated": counters.kv_usage_ratio}
-        counter_values = {"preemptions": counters.preemptions, "prompt_tokens": counters.prompt_tokens,
-                          "generation_tokens": counters.generation_tokens, "prefix_queries": 0.0,
-                          "prefix_hits": 0.0}
         for family in self.layout.families:
             metric = Metric(family.name, family.help, family.kind)
-            if family.kind == "gauge" and family.key == "waiting_by_reason":
-                metric.add_sample(family.name, {**base, "reason": "capacity"}, counters.waiting)
-                metric.add_sample(family.name, {**base, "reason": "deferred"}, 0.0)
-            elif family.kind == "gauge":
-                metric.add_sample(family.name, base, gauge_values[family.key])
-            elif family.key == "request_success":
-                for reason, value in counters.request_success.items():
-                    self._counter_samples(metric, {**base, "finished_reason": reason}, value)
-            elif family.kind == "counter":
-                self._counter_samples(metric, base, counter_values[family.key])
-            else:
-                key = "itl" if family.key == "tpot_deprecated" else family.key
-                self._histogram_samples(metric, base, counters.histograms[key])
+            for engine_index, counters in self.engines.items():
+                self._engine_samples(metric, family, self.base_labels(engine_index), counters)
             yield metric
         info = Metric("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
-        info_labels = dict(self.cache_config)
-        if self.layout.engine_label:
-            info_labels["engine"] = self.engine_index
-        info.add_sample("vllm:cache_config_info", info_labels, 1.0)
+        for engine_index, cache_config in self.cache_configs.items():
+            info_labels = dict(cache_config)
+            if self.layout.engine_label:
+                info_labels["engine"] = engine_index
+            info.add_sample("vllm:cache_config_info", info_labels, 1.0)
         yield info
+
+    def _engine_samples(self, metric: Metric, family: Family, base: dict[str, str], counters: EngineCounters) -> None:
+        gauge_values = {"running": counters.running, "waiting": counters.waiting,
+                        "kv_usage": counters.kv_usage_ratio, "kv_usage_deprecated": counters.kv_usage_ratio}
+        if family.kind == "gauge" and family.key == "waiting_by_reason":
+            metric.add_sample(family.name, {**base, "reason": "capacity"}, counters.waiting)
+            metric.add_sample(family.name, {**base, "reason": "deferred"}, 0.0)
+        elif family.kind == "gauge":
+            metric.add_sample(family.name, base, gauge_values[family.key])
+        elif family.key == "request_success":
+            for reason, value in counters.request_success.items():
+                self._counter_samples(metric, {**base, "finished_reason": reason}, value)
+        elif family.sources:
+            for source, value in counters.by_source(family.key).items():
+                self._counter_samples(metric, {**base, "source": source}, value)
+        elif family.kind == "counter":
+            self._counter_samples(metric, base, counters.counter_values()[family.key])
+        else:
+            key = "itl" if family.key == "tpot_deprecated" else family.key
+            self._histogram_samples(metric, base, counters.histograms[key])
 
     def _counter_samples(self, metric: Metric, labels: dict[str, str], value: float) -> None:
         name = metric.name[:-6] if metric.name.endswith("_total") else metric.name
