@@ -353,3 +353,12 @@ def test_chart_metadata_has_home_sources_and_maintainer_url() -> None:
 def test_default_resources_are_burstable_not_best_effort() -> None:
     resources = workload(render())["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert set(resources["requests"]) == {"cpu", "memory"} and "memory" in resources["limits"]
+
+
+@pytest.mark.parametrize("version", ["1.28", "1.37"])  # statefulset mode needs 1.28 (the pod-index label)
+@pytest.mark.parametrize("sets", [(), SHARDED], ids=["deployment", "statefulset"])
+def test_layout_core_objects_pass_strict_kubernetes_schemas(sets: tuple[str, ...], version: str) -> None:
+    for doc in render(LAYOUT_VALUES, *sets):
+        if doc["kind"] in {"ServiceMonitor", "PrometheusRule", "ScaledObject"}:
+            continue  # checked against their CRDs above
+        kubernetes_validate.validate(doc, version, strict=True)
