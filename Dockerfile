@@ -5,7 +5,7 @@
 # Build stage: only the wheel leaves it (no sources, tests or build tools in the final image).
 FROM python:3.11-slim AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY exporter ./exporter
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 
-.PHONY: demo test venv tools promtool helm test-rules dashboards chart-sync bench clean
+.PHONY: demo test venv tools promtool helm test-rules dashboards chart-sync chart-schema bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ chart-sync:
 	mkdir -p helm/stepbudget/files/rules helm/stepbudget/files/dashboards
 	cp rules/*.yaml helm/stepbudget/files/rules/
 	cp dashboards/*.json helm/stepbudget/files/dashboards/
+
+# Regenerate the `config` part of the chart's values.schema.json from exporter/config.py's key
+# tables (tests/test_config_schema.py fails on drift).
+chart-schema: $(STAMP)
+	$(BIN)/python -m exporter.config_schema --write helm/stepbudget/values.schema.json
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/accuracy.py

@@ -10,14 +10,17 @@ What a newcomer runs first (`make demo`), with nothing but Python:
   4. a view of the daemon's own /metrics, refreshed every poll: tokens in flight against the token
      budget, predicted and measured step time, per-user tokens/s, and the daemon's own pending and
      firing alerts (its `GET /api/v1/alerts`, the conditions of rules/stepbudget.alerts.yaml).
-`--duration S` ends it after S seconds with a summary; otherwise Ctrl-C ends it. Everything it
-started is stopped on the way out.
+`--duration S` ends it after S seconds with a summary; otherwise Ctrl-C ends it (or SIGTERM, or
+SIGHUP when its terminal closes). Everything it started is stopped on the way out; if the demo is
+killed outright, the daemon gets SIGTERM from the kernel (Linux PR_SET_PDEATHSIG), and the
+simulated servers, threads of the demo, go with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import socket
@@ -139,10 +142,26 @@ def daemon_config(listen: str, poll_interval: str, calibration_path: Path, pools
     }
 
 
+# Run as `python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: on Linux, ask the kernel for SIGTERM
+# when the parent dies (prctl PR_SET_PDEATHSIG = 1, kept across execv), exit at once if the parent
+# is already gone, then exec PROGRAM. A wrapper rather than Popen's preexec_fn, which is unsafe
+# while the demo runs threads (the simulated servers).
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(0)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def start_daemon(config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_path)]
     with open(log_path, "wb") as log:
-        # Its own process group: Ctrl-C in the terminal reaches the demo, which stops it in order.
-        return subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_path)],
+        # Its own session: Ctrl-C (and the SIGHUP of a closing terminal) reach only the demo,
+        # which stops it in order; the kernel stops it if the demo dies without doing so.
+        return subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -292,9 +311,10 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="stepbudget-demo-"))
     started: list[Callable[[], None]] = []
     stop = threading.Event()
-    # Ctrl-C and SIGTERM end the view with its summary, then everything started is stopped in order.
+    # Ctrl-C, SIGTERM and SIGHUP (the terminal closed) end the view with its summary, then
+    # everything started is stopped in order.
     previous = {signum: signal.signal(signum, lambda number, frame: stop.set())
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         return _run(args, duration, poll_seconds, workdir, started, stop)
     finally:

@@ -16,6 +16,11 @@ _SIZE_UNITS: dict[str, int] = {
 }
 _DURATION_UNITS: dict[str, float] = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# Prometheus-style compound durations, largest unit first, each at most once: `1m30s`, `1h5m`, `2s500ms`.
+_COMPOUND_DURATION = re.compile(r"^\s*(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?\s*$")
+# What parse_duration_seconds reads, as a JSON-schema pattern (the config schema, exporter/config_schema.py).
+DURATION_PATTERN = (r"^\s*(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:ms|s|m|h)?"
+                    r"|(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?)\s*$")
 
 
 def _parse_with_unit(text: str | int | float, units: dict[str, float] | dict[str, int],
@@ -44,8 +49,15 @@ def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
 
 
 def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:
-    """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, a bare number is seconds. Must be positive."""
-    return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 15s, 5m, 250ms")
+    """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, `1m30s` -> 90.0, a bare number is seconds. Must be positive."""
+    compound = _COMPOUND_DURATION.match(text) if isinstance(text, str) else None
+    if compound and sum(part is not None for part in compound.groups()) > 1:
+        hours, minutes, seconds, millis = (int(part or 0) for part in compound.groups())
+        value = hours * 3600.0 + minutes * 60.0 + seconds + millis / 1000
+        if not value > 0:
+            raise InputError(f"{what}: must be greater than zero, got {text!r}")
+        return value
+    return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 15s, 5m, 1m30s, 250ms")
 
 
 def parse_overhead_seconds(text: str | int | float, what: str = "step overhead") -> float:

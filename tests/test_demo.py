@@ -3,10 +3,17 @@ to end on 127.0.0.1 (non-default ports), ending cleanly with a summary."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
 
 from exporter.demo import free_port_from
 from exporter.simulator import AGENTS_JOIN_SECONDS
@@ -52,3 +59,98 @@ def test_a_busy_daemon_port_moves_to_the_next_free_one() -> None:
         chosen = free_port_from(port)
         assert chosen != port and port < chosen < port + 50
     assert free_port_from(port) == port  # free again once its listener is gone
+
+
+# --- the demo leaves nothing behind however it ends ---------------------------------------------
+
+
+def _children(pid: int) -> set[int]:
+    """The direct children of `pid` (every thread's), from /proc."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(child) for child in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def _start_demo(port: int) -> tuple[subprocess.Popen[str], set[int]]:
+    """`stepbudget demo` running until stopped, and the processes it started (its daemon)."""
+    demo = subprocess.Popen([sys.executable, "-m", "exporter.cli", "demo", "--speed", "20", "--port", str(port),
+                             "--poll-interval", "1s"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    assert demo.stdout is not None
+    for line in demo.stdout:  # the daemon answers /-/ready before this line is printed
+        if "the daemon's metrics:" in line or time.monotonic() > deadline:
+            break
+    # Keep reading its view, so a full pipe never blocks it.
+    threading.Thread(target=demo.stdout.read, daemon=True).start()
+    children = _children(demo.pid)
+    assert children, "the demo started no daemon process"
+    return demo, children
+
+
+def _stop_leftovers(demo: subprocess.Popen[str], children: set[int]) -> None:
+    """Whatever the test did, nothing it started outlives it (by pid, only ours)."""
+    for pid in children:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if demo.poll() is None:
+        demo.kill()
+    demo.wait(timeout=30)
+
+
+def _gone_within(pids: set[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sighup_stops_the_demo_and_everything_it_started() -> None:
+    """Closing `make demo`'s terminal sends SIGHUP: the demo ends cleanly and frees its port."""
+    port = free_port()
+    demo, children = _start_demo(port)
+    try:
+        assert not _port_is_free(port)  # the daemon listens there
+        demo.send_signal(signal.SIGHUP)
+        assert demo.wait(timeout=30) == 0
+        assert _gone_within(children, 15), "the daemon outlived the demo"
+        assert _port_is_free(port)
+    finally:
+        _stop_leftovers(demo, children)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killing_the_demo_takes_its_daemon_with_it() -> None:
+    """SIGKILL leaves the demo no chance to clean up: the kernel's parent-death signal stops the daemon."""
+    port = free_port()
+    demo, children = _start_demo(port)
+    try:
+        demo.kill()
+        demo.wait(timeout=30)
+        assert _gone_within(children, 15), "the daemon outlived the killed demo"
+        deadline = time.monotonic() + 10
+        while not _port_is_free(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _port_is_free(port)
+    finally:
+        _stop_leftovers(demo, children)

@@ -118,13 +118,18 @@ def test_wheel_builds_from_exactly_what_the_dockerfile_copies(tmp_path: Path) ->
                 shutil.copy(origin, context / source)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-q", "-w", str(tmp_path / "wheels"), str(context)],
+         "-v", "-w", str(tmp_path / "wheels"), str(context)],
         capture_output=True, text=True, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    # The license in SPDX form (PEP 639): no "`project.license` as a TOML table is deprecated".
+    assert "deprecated" not in (result.stdout + result.stderr).lower(), result.stdout + result.stderr
     (wheel,) = (tmp_path / "wheels").glob("stepbudget-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "exporter/cli.py" in names and "exporter/__init__.py" in names
     assert not [n for n in names if n.split("/")[0] in {"tests", "helm", "rules", "dashboards", "benchmarks"}]
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "stepbudget = exporter.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

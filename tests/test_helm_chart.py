@@ -99,14 +99,15 @@ def container(docs: list[dict]) -> dict:
 
 
 def _matches(selector: dict, labels: dict) -> bool:
-    """Kubernetes label-selector semantics for matchLabels and Exists/DoesNotExist expressions."""
+    """Kubernetes label-selector semantics: matchLabels and In/NotIn/Exists/DoesNotExist expressions."""
     if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
         return False
     for expression in selector.get("matchExpressions", []):
-        present = expression["key"] in labels
-        if expression["operator"] == "DoesNotExist" and present:
-            return False
-        if expression["operator"] == "Exists" and not present:
+        key, operator = expression["key"], expression["operator"]
+        verdict = {"Exists": key in labels, "DoesNotExist": key not in labels,
+                   "In": labels.get(key) in expression.get("values", []),
+                   "NotIn": labels.get(key) not in expression.get("values", [])}[operator]
+        if not verdict:
             return False
     return True
 
@@ -132,14 +133,14 @@ def test_every_option_on_renders_every_object() -> None:
     # Two namespaces (llm, agents) are discovered through the Kubernetes API: a Role each.
     assert sharded == sorted(
         ["ConfigMap"] * (1 + dashboards)
-        + ["NetworkPolicy", "PrometheusRule", "Role", "Role", "RoleBinding", "RoleBinding", "ScaledObject",
-           "Service", "Service", "ServiceAccount", "ServiceMonitor", "StatefulSet"]
+        + ["NetworkPolicy", "PodDisruptionBudget", "PrometheusRule", "Role", "Role", "RoleBinding", "RoleBinding",
+           "ScaledObject", "Service", "Service", "ServiceAccount", "ServiceMonitor", "StatefulSet"]
     )
     unsharded = sorted(doc["kind"] for doc in render(DEPLOYMENT_VALUES))
     assert unsharded == sorted(
         ["ConfigMap"] * (1 + dashboards)
-        + ["Deployment", "NetworkPolicy", "PrometheusRule", "ScaledObject", "Service", "ServiceAccount",
-           "ServiceMonitor"]
+        + ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "PrometheusRule", "ScaledObject", "Service",
+           "ServiceAccount", "ServiceMonitor"]
     )
 
 
@@ -200,7 +201,8 @@ def test_resources_extra_args_and_image_digest_are_settable() -> None:
     digest = "sha256:" + "ab" * 32
     docs = render(None, "resources.limits.memory=300Mi", "extraArgs[0]=--example-flag", f"image.digest={digest}")
     main = container(docs)
-    assert main["resources"] == {"limits": {"memory": "300Mi"}}
+    defaults = _values(None)["resources"]
+    assert main["resources"] == {"requests": defaults["requests"], "limits": {"memory": "300Mi"}}
     assert main["args"][-1] == "--example-flag"
     assert main["image"] == f"stepbudget/stepbudget@{digest}"
 
@@ -252,7 +254,8 @@ def test_pod_discovery_rbac_only_where_the_config_discovers() -> None:
     roles = of_kind(docs, "Role")
     assert {r["metadata"]["namespace"] for r in roles} == wanted
     for role in roles:
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+        # exporter/discovery.py only lists pods (client.list at every poll): no get, no watch.
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
     account = one(docs, "ServiceAccount")["metadata"]["name"]
     for binding in of_kind(docs, "RoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
@@ -384,17 +387,42 @@ def test_keda_scales_on_token_budget_utilization_not_requests(values: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# Model-server ports each ci file's config names, by hand: deployment-values has static URLs on
+# 8000 and a DNS target on port 80; statefulset-values two kubernetes targets (8000 given, and the
+# daemon's default 8000).
+CONFIGURED_MODEL_PORTS = {DEPLOYMENT_VALUES: {80, 8000}, STATEFULSET_VALUES: {8000}}
+
+
 @pytest.mark.parametrize("values", CI_VALUES, ids=_id)
-def test_network_policy_admits_scrapes_and_allows_dns(values: Path) -> None:
+def test_network_policy_admits_scrapes_and_derives_egress_from_the_config(values: Path) -> None:
     docs = render(values)
     policy = one(docs, "NetworkPolicy")["spec"]
     pod_labels = workload(docs)["spec"]["template"]["metadata"]["labels"]
     assert _matches(policy["podSelector"], pod_labels)
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     assert policy["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
-    egress_ports = [p for rule in policy["egress"] for p in rule["ports"]]
-    assert {"port": 53, "protocol": "UDP"} in egress_ports
-    assert all(p in egress_ports for p in _values(values)["networkPolicy"]["egressPorts"])
+    dns, model_servers, *others = policy["egress"]
+    assert dns["ports"] == [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert {p["port"] for p in model_servers["ports"]} == CONFIGURED_MODEL_PORTS[values]
+    # Alertmanager (both files name http://alertmanager-operated.monitoring.svc:9093) and, only
+    # where the config discovers pods, the API server: each its own rule.
+    expected = ([[443, 6443]] if values == STATEFULSET_VALUES else []) + [[9093]]
+    assert [[p["port"] for p in rule["ports"]] for rule in others] == expected
+
+
+def test_network_policy_reads_ports_from_urls_and_kubernetes_defaults(tmp_path: Path) -> None:
+    """A URL without a port means 80 (http) or 443 (https); kubernetes.port defaults to 8000."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "networkPolicy": {"enabled": True, "egress": {"modelServers": {"extraPorts": [30000]}}},
+        "config": {"deployments": [{"name": "a", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {
+            "static": ["https://a.example:8443/metrics", "https://b.example/metrics", "http://c.example/metrics"],
+            "kubernetes": {"namespace": "llm", "label_selector": "app=sglang"}}}]},
+    }))
+    policy = one(render(values), "NetworkPolicy")["spec"]
+    assert {p["port"] for p in policy["egress"][1]["ports"]} == {8443, 443, 80, 8000, 30000}
+    # No alerting.alertmanager_urls: DNS, model servers and the API server only.
+    assert len(policy["egress"]) == 3
 
 
 # --- values.schema.json -------------------------------------------------------------------------

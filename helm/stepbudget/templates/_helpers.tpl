@@ -177,3 +177,48 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end }}
+
+{{/* The port of a URL: its explicit port, else 443 for https and 80 for http. */}}
+{{- define "stepbudget.urlPort" -}}
+{{- $url := urlParse (trim .) }}
+{{- if regexMatch ":[0-9]+$" $url.host }}
+{{- regexFind "[0-9]+$" $url.host }}
+{{- else if eq $url.scheme "https" }}443
+{{- else }}80
+{{- end }}
+{{- end }}
+
+{{/* Every port the config's targets name (static URLs, dns.port, kubernetes.port with the
+daemon's default 8000), plus networkPolicy.egress.modelServers.extraPorts, one per line. */}}
+{{- define "stepbudget.modelServerPorts" -}}
+{{- $ports := list }}
+{{- range .Values.config.deployments }}
+{{- $targets := .targets | default dict }}
+{{- $static := $targets.static | default list }}
+{{- if kindIs "string" $static }}{{ $static = list $static }}{{ end }}
+{{- range $static }}
+{{- $ports = append $ports (include "stepbudget.urlPort" .) }}
+{{- end }}
+{{- with $targets.dns }}
+{{- $ports = append $ports (toString (.port | default 8000)) }}
+{{- end }}
+{{- with $targets.kubernetes }}
+{{- $ports = append $ports (toString (.port | default 8000)) }}
+{{- end }}
+{{- end }}
+{{- range .Values.networkPolicy.egress.modelServers.extraPorts }}
+{{- $ports = append $ports (toString .) }}
+{{- end }}
+{{- $ports | uniq | sortAlpha | join "\n" }}
+{{- end }}
+
+{{/* The ports of alerting.alertmanager_urls, one per line. */}}
+{{- define "stepbudget.alertmanagerPorts" -}}
+{{- $ports := list }}
+{{- $urls := (.Values.config.alerting | default dict).alertmanager_urls | default list }}
+{{- if kindIs "string" $urls }}{{ $urls = list $urls }}{{ end }}
+{{- range $urls }}
+{{- $ports = append $ports (include "stepbudget.urlPort" .) }}
+{{- end }}
+{{- $ports | uniq | sortAlpha | join "\n" }}
+{{- end }}

@@ -1,0 +1,108 @@
+"""One schema for the daemon config: the chart's values.schema.json is generated from config.py's
+key tables (exporter/config_schema.py), and both refuse and accept the same documents."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft7Validator
+
+from exporter import config as config_module
+from exporter.config import ConfigError, config_from_mapping
+from exporter.config_schema import chart_config_schema, config_schema, parser_schema
+from exporter.daemon import _load_optional_modules
+from exporter.units import DURATION_PATTERN, parse_duration_seconds
+from exporter.errors import InputError
+
+VALUES_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "stepbudget" / "values.schema.json"
+
+
+def test_chart_values_schema_config_is_generated_from_the_key_tables() -> None:
+    committed = json.loads(VALUES_SCHEMA.read_text())["properties"]["config"]
+    assert committed == chart_config_schema(), (
+        "helm/stepbudget/values.schema.json drifted from exporter/config.py: run `make chart-schema`")
+
+
+def test_every_key_of_every_section_is_in_the_schema() -> None:
+    _load_optional_modules()
+    schema = config_schema()
+    assert set(schema["properties"]) == set(config_module.TOP_LEVEL_KEYS)
+    deployment = schema["properties"]["deployments"]["items"]
+    assert set(deployment["properties"]) == set(config_module.DEPLOYMENT_KEYS)
+    assert deployment["required"] == ["name", "model", "gpu", "targets"]
+    kubernetes = deployment["properties"]["targets"]["properties"]["kubernetes"]
+    assert kubernetes["required"] == ["namespace", "label_selector"]
+    assert kubernetes["additionalProperties"] is False
+
+
+def test_an_unmapped_parser_fails_loudly() -> None:
+    """A new key type must get a JSON schema, not silently an empty (accept-anything) one."""
+    def _new_kind_of_value(value, where):  # noqa: ANN001, ANN202
+        return value
+    with pytest.raises(ValueError, match="_new_kind_of_value"):
+        parser_schema(_new_kind_of_value)
+
+
+def _deployment(**overrides: object) -> dict:
+    return {"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+            "targets": {"static": ["http://10.0.0.5:8000/metrics"]}, **overrides}
+
+
+# Each document is judged by check-config's validation and by the generated schema; they agree.
+DOCUMENTS = [
+    ({"deployments": [_deployment()]}, True),
+    ({"poll_interval": "1m30s", "timeout": "2s500ms", "deployments": [_deployment()]}, True),
+    ({"poll_interval": 15, "max_response_bytes": "8MiB", "deployments": [_deployment()]}, True),
+    ({"defaults": {"headroom": 0.85}, "alerting": {"alertmanager_urls": "http://am:9093"},
+      "deployments": [_deployment(engine="sglang", step_overhead="2ms", effective_bandwidth="2TB")]}, True),
+    ({"deployments": [_deployment(targets={"kubernetes": {"namespace": "llm", "label_selector": "app=v"}})]}, True),
+    ({"deployments": [_deployment(auth=None, tls=None)]}, True),
+    ({"poll_intervall": "15s", "deployments": [_deployment()]}, False),
+    ({"poll_interval": "1m30", "deployments": [_deployment()]}, False),
+    ({"poll_interval": "30s1m", "deployments": [_deployment()]}, False),
+    ({"deployments": []}, False),
+    ({}, False),
+    ({"deployments": [_deployment(targets={"kubernetes": {"label_selector": "app=v"}})]}, False),
+    ({"deployments": [_deployment(targets={})]}, False),
+    ({"deployments": [_deployment(targets={"static": []})]}, False),
+    ({"deployments": [_deployment(engine="vllmm")]}, False),
+    ({"deployments": [_deployment(headroom=1.5)]}, False),
+    ({"deployments": [_deployment(tensor_parallel=0)]}, False),
+    ({"deployments": [_deployment(targets={"dns": {"name": "v.llm", "port": 70000}})]}, False),
+    ({"deployments": [_deployment(auth={"bearer_token_env": "A", "bearer_token_file": "/x"})]}, False),
+    ({"deployments": [_deployment(targets={"static": ["vllm:8000/metrics"]})]}, False),
+    ({"log_format": "xml", "deployments": [_deployment()]}, False),
+    ({"shard": {"index": 0}, "deployments": [_deployment()]}, False),
+]
+
+
+@pytest.mark.parametrize(("document", "valid"), DOCUMENTS)
+def test_check_config_and_the_schema_agree(document: dict, valid: bool) -> None:
+    _load_optional_modules()
+    schema_valid = Draft7Validator(config_schema()).is_valid(document)
+    try:
+        config_from_mapping(json.loads(json.dumps(document)))
+        daemon_valid = True
+    except ConfigError:
+        daemon_valid = False
+    assert (daemon_valid, schema_valid) == (valid, valid)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("15s", 15.0), ("5m", 300.0), ("250ms", 0.25), ("1.5s", 1.5), ("90", 90.0),
+    # Prometheus's compound form, largest unit first: 60 + 30, 3600 + 5 * 60, 2 + 0.5.
+    ("1m30s", 90.0), ("1h5m", 3900.0), ("2s500ms", 2.5),
+])
+def test_durations_parse_and_match_the_schema_pattern(text: str, seconds: float) -> None:
+    assert parse_duration_seconds(text) == seconds
+    assert re.search(DURATION_PATTERN, text)
+
+
+@pytest.mark.parametrize("text", ["1m30", "30s1m", "1m1m", "soon", "1 m 30 s"])
+def test_malformed_durations_are_refused_by_both(text: str) -> None:
+    with pytest.raises(InputError):
+        parse_duration_seconds(text)
+    assert not re.search(DURATION_PATTERN, text)
