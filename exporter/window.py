@@ -267,6 +267,7 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
     else:
         mean, median, tokens = _step_times(before_h, now_h, notes)
     prefill, whole_steps = _prefill_per_step(previous, current, notes)
+    mix = _prefill_mix(previous, current, prefill, notes) if whole_steps else None
     return Window(
         measured_step_mean_seconds=mean,
         measured_step_median_seconds=median,
@@ -274,5 +275,5 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         tokens_generated=tokens,
         counter_reset=False,
         notes=tuple(notes),
-        prefill_mix=_prefill_mix(previous, current, prefill, notes) if whole_steps else None,
+        prefill_mix=mix,
     )

@@ -192,6 +192,11 @@ class VllmState:
     generation_tokens: float = 0
     engine_steps: float = 0  # count of vllm:iteration_tokens_total
     iteration_tokens_sum: float = 0
+    # vllm:iteration_tokens_total's cumulative counts per finite upper bound (vLLM's edges); none: +Inf only.
+    iteration_buckets: dict[float, float] = field(default_factory=dict)
+    # vllm:prompt_tokens_by_source_total{source="local_compute"} (0.16 on); None: the family is absent.
+    prompt_tokens_computed: float | None = None
+    cache_dtype: str = "auto"
     # ITL histogram: cumulative counts per upper bound (the +Inf count is itl_count).
     itl_buckets: dict[float, float] = field(default_factory=lambda: {0.01: 0, 0.025: 0, 0.05: 0, 0.1: 0})
     itl_count: float = 0
@@ -230,8 +235,17 @@ def vllm_page(*states: VllmState) -> str:
            [("vllm:prompt_tokens_total", ids(s), s.prompt_tokens) for s in states])
     family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
            [("vllm:generation_tokens_total", ids(s), s.generation_tokens) for s in states])
+    computed = [s for s in states if s.prompt_tokens_computed is not None]
+    if computed:
+        family("vllm:prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
+               [("vllm:prompt_tokens_by_source_total", {**ids(s), "source": source}, value) for s in computed
+                for source, value in (("local_compute", s.prompt_tokens_computed),
+                                      ("local_cache_hit", s.prompt_tokens - (s.prompt_tokens_computed or 0)),
+                                      ("external_kv_transfer", 0.0))])
     iteration: list[tuple[str, dict[str, str], float]] = []
     for s in states:
+        iteration += [("vllm:iteration_tokens_total_bucket", {**ids(s), "le": repr(float(le))}, count)
+                      for le, count in sorted(s.iteration_buckets.items())]
         iteration += [("vllm:iteration_tokens_total_bucket", {**ids(s), "le": "+Inf"}, s.engine_steps),
                       ("vllm:iteration_tokens_total_count", ids(s), s.engine_steps),
                       ("vllm:iteration_tokens_total_sum", ids(s), s.iteration_tokens_sum)]
@@ -248,7 +262,7 @@ def vllm_page(*states: VllmState) -> str:
     # engine's series (0.33.0 vllm/v1/engine/core_client.py l. 873-877).
     summed_blocks = sum(s.num_gpu_blocks for s in states)
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-           [("vllm:cache_config_info", {"block_size": str(s.block_size), "cache_dtype": "auto", "engine": s.engine,
+           [("vllm:cache_config_info", {"block_size": str(s.block_size), "cache_dtype": s.cache_dtype, "engine": s.engine,
                                         "num_gpu_blocks": str(summed_blocks), "gpu_memory_utilization": "0.9"}, 1.0)
             for s in states])
     return "\n".join(lines) + "\n"
