@@ -52,8 +52,8 @@ dashboards: $(STAMP)
 	$(MAKE) chart-sync
 
 # Fresh copies (no symlinks: .Files cannot read outside the chart, and the wheel and the image need a
-# real file). The alert rules' one source is exporter/rules/stepbudget.alerts.yaml (package data);
-# rules/ gets a copy for Prometheus users, then the chart copies rules/.
+# real file). The alert rules' one source is exporter/rules/stepbudget.alerts.yaml (package data the
+# daemon reads); rules/ gets a copy for Prometheus users, then the chart copies rules/.
 # tests/test_rules.py and tests/test_helm_chart.py fail on drift.
 chart-sync:
 	cp exporter/rules/stepbudget.alerts.yaml rules/stepbudget.alerts.yaml
