@@ -1,12 +1,14 @@
-"""The in-process alert loop: the alert rules of rules/stepbudget.alerts.yaml, evaluated after every
-poll, posted to Alertmanager (API v2) when `alerting.alertmanager_urls` is set.
+"""The in-process alert loop: the alert rules of exporter/rules/stepbudget.alerts.yaml (shipped in
+the package), evaluated after every poll, posted to Alertmanager (API v2) when
+`alerting.alertmanager_urls` is set.
 
 Why in process as well as in Prometheus: a site without a rule pipeline still gets the page, and a
 site with both gets ONE alert, because the labels here are exactly the labels the rules produce
 (`alertname`, `severity`, and the series labels deployment, target, model_name, engine, plus
 namespace and pod when discovered; the rules aggregate away job and instance), so Alertmanager
-deduplicates them. RULES below is the one table of conditions, thresholds, `for` durations,
-severities and annotations; tests/test_alerting.py checks it against the rules file.
+deduplicates them. Names, `for` durations, labels and annotations are read from the rules file
+(exporter/alert_rules.py), so they cannot drift from what Prometheus raises; only the conditions
+and their thresholds are Python (CONDITIONS below), tested against promtool's verdicts.
 
 Protocol (as Prometheus's notifier does): pending -> firing once the condition has held for `for`;
 a firing alert is posted at once and then re-posted at most every RESEND_SECONDS with
@@ -16,19 +18,21 @@ daemon dies; a cleared alert is posted with endsAt = now and re-posted for RESOL
 
 from __future__ import annotations
 
-import math
-import re
+import functools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Sequence
+from pathlib import Path
 
 import requests
 import structlog
 
+from exporter.alert_rules import AlertRule, load_alert_rules
 from exporter.config import Alerting
+from exporter.errors import InputError
 from exporter.reading import Reading
 
 log = structlog.get_logger("stepbudget.alerting")
@@ -39,7 +43,6 @@ PREEMPTION_WINDOW_SECONDS = 5 * 60.0
 DRIFT_THRESHOLD_RATIO = 0.15
 KV_CACHE_NEARLY_FULL_RATIO = 0.95
 PAGE_ALERT = "StepBudgetPredictedStepOverBudget"
-RUNBOOK = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md#"
 
 Condition = Callable[[Reading, "History"], "float | None"]
 
@@ -95,110 +98,37 @@ def _down(reading: Reading, history: History) -> float | None:
     return 0.0 if not reading.target_up else None
 
 
-@dataclass(frozen=True)
-class AlertRule:
-    name: str
-    severity: str
-    for_seconds: float
-    condition: Condition
-    summary: str
-    description: str  # a Prometheus template: {{ $labels.x }}, {{ $value | humanize... }}
-    runbook_url: str
-
-
-_WHERE = ("{{ $labels.target }} (deployment {{ $labels.deployment }}, "
-          "model {{ $labels.model_name }}, {{ $labels.engine }})")
-
-# The rules, as in rules/stepbudget.alerts.yaml (StepBudgetExporterAbsent is Prometheus-only: an
-# absent daemon cannot report its own absence).
-RULES: tuple[AlertRule, ...] = (
-    AlertRule(PAGE_ALERT, "critical", 300.0, _predicted_over,
-              "The predicted decode step is over the speed budget, so every stream on this server is slower than its target.",
-              f"The predicted step time of {_WHERE} has been {{{{ $value | humanizeDuration }}}}, over its step budget, "
-              "for 5 minutes: the tokens in flight exceed the token budget.",
-              RUNBOOK + "stepbudgetpredictedstepoverbudget"),
-    AlertRule("StepBudgetMeasuredStepOverBudget", "warning", 300.0, _measured_over,
-              "The measured decode step (mean inter-token latency) is over the speed budget.",
-              f"The measured mean step time of {_WHERE} has been {{{{ $value | humanizeDuration }}}}, over its step "
-              "budget, for 5 minutes.",
-              RUNBOOK + "stepbudgetmeasuredstepoverbudget"),
-    AlertRule("StepBudgetPredictionDrift", "warning", 900.0, _drift,
-              "The step-time model no longer fits this server; refit it with stepbudget calibrate.",
-              f"The prediction for {_WHERE} has been off the measured step time by {{{{ $value | humanizePercentage }}}} "
-              "(more than 15%) for 15 minutes.",
-              RUNBOOK + "stepbudgetpredictiondrift"),
-    AlertRule("StepBudgetPrefillInterference", "warning", 600.0, _prefill_interference,
-              "Steps are over budget although the tokens in flight fit it; prompt (prefill) chunks are slowing every stream.",
-              f"The measured step time of {_WHERE} has been {{{{ $value | humanizeDuration }}}}, over budget, for 10 "
-              "minutes while the decode-only (memory) prediction fits the budget.",
-              RUNBOOK + "stepbudgetprefillinterference"),
-    AlertRule("StepBudgetKVCacheNearlyFull", "warning", 600.0, _kv_nearly_full,
-              "The KV cache is nearly full; new requests will queue and running ones may be preempted.",
-              f"The KV cache of {_WHERE} has been {{{{ $value | humanizePercentage }}}} full (over 95%) for 10 minutes.",
-              RUNBOOK + "stepbudgetkvcachenearlyfull"),
-    AlertRule("StepBudgetPreemptions", "warning", 300.0, _preempting,
-              "The server keeps preempting running requests to free KV cache; their work is recomputed.",
-              "{{ $labels.target }} (deployment {{ $labels.deployment }}, model {{ $labels.model_name }}, "
-              "{{ $labels.engine }}) preempted {{ $value | humanize }} requests in the last 5 minutes, and has "
-              "kept preempting for 5 minutes.",
-              RUNBOOK + "stepbudgetpreemptions"),
-    AlertRule("StepBudgetTargetDown", "warning", 300.0, _down,
-              "stepbudget cannot read this model server's metrics; its predictions and alerts are blind.",
-              "stepbudget has failed to fetch or parse the metrics of {{ $labels.target }} (deployment "
-              "{{ $labels.deployment }}, model {{ $labels.model_name }}) for 5 minutes "
-              "(stepbudget_target_up = {{ $value }}).",
-              RUNBOOK + "stepbudgettargetdown"),
-)
-
-
-# --- annotation templates (the subset of Prometheus's template language the rules use) -----------
-
-
-def humanize(value: float) -> str:
-    """Prometheus's `humanize`: SI prefixes, 4 significant digits."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:.4g}"
-    for factor, prefix in ((1e24, "Y"), (1e21, "Z"), (1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.4g}{prefix}"
-    for factor, prefix in ((1e-3, "m"), (1e-6, "u"), (1e-9, "n"), (1e-12, "p"), (1e-15, "f"), (1e-18, "a")):
-        if abs(value) >= factor:
-            return f"{value / factor:.4g}{prefix}"
-    return f"{value:.4g}"
-
-
-def humanize_duration(seconds: float) -> str:
-    """Prometheus's `humanizeDuration`: `1m 5s`, and SI-prefixed seconds under one second."""
-    if not math.isfinite(seconds):
-        return f"{seconds:.4g}"
-    if abs(seconds) < 1:
-        return humanize(seconds) + "s" if seconds else "0s"
-    whole = int(abs(seconds))
-    days, rest = divmod(whole, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    parts = [f"{days}d"] if days else []
-    parts += [f"{hours}h"] if hours else []
-    parts += [f"{minutes}m"] if minutes else []
-    parts.append(f"{secs}s" if parts else f"{abs(seconds):.4g}s")
-    return ("-" if seconds < 0 else "") + " ".join(parts)
-
-
-_TEMPLATE = re.compile(r"\{\{\s*(\$labels\.(\w+)|\$value)\s*(?:\|\s*(\w+)\s*)?\}\}")
-_FILTERS: dict[str, Callable[[float], str]] = {
-    "humanize": humanize,
-    "humanizeDuration": humanize_duration,
-    "humanizePercentage": lambda value: f"{value * 100:.4g}%",
+# Which condition raises which alert of the rules file. StepBudgetExporterAbsent is Prometheus-only
+# (an absent daemon cannot report its own absence); any other alert of the file without a condition
+# here, or a condition without an alert there, fails loading.
+CONDITIONS: dict[str, Condition] = {
+    PAGE_ALERT: _predicted_over,
+    "StepBudgetMeasuredStepOverBudget": _measured_over,
+    "StepBudgetPredictionDrift": _drift,
+    "StepBudgetPrefillInterference": _prefill_interference,
+    "StepBudgetKVCacheNearlyFull": _kv_nearly_full,
+    "StepBudgetPreemptions": _preempting,
+    "StepBudgetTargetDown": _down,
 }
+PROMETHEUS_ONLY = frozenset({"StepBudgetExporterAbsent"})
 
 
-def render(template: str, labels: dict[str, str], value: float) -> str:
-    def substitute(match: re.Match[str]) -> str:
-        if match.group(2):
-            return labels.get(match.group(2), "")
-        return _FILTERS.get(match.group(3) or "", lambda v: f"{v:g}")(value)
+def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
+    """The alerts the loop raises, read from the rules file (the packaged one when `path` is None):
+    a changed `for`, severity or annotation in the file changes the loop with no Python edit."""
+    rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
+    names = {rule.name for rule in rules}
+    if names != set(CONDITIONS):
+        raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in exporter/alerting.py: "
+                         f"{sorted(names - set(CONDITIONS)) or 'none'}; conditions without an alert in the file: "
+                         f"{sorted(set(CONDITIONS) - names) or 'none'}")
+    return rules
 
-    return _TEMPLATE.sub(substitute, template)
+
+@functools.cache
+def packaged_rules() -> tuple[AlertRule, ...]:
+    """The shipped rules, read once per process (every AlertLoop of a test run shares them)."""
+    return load_rules()
 
 
 # --- the loop ------------------------------------------------------------------------------------
@@ -227,13 +157,19 @@ def post_alerts(url: str, alerts: list[dict[str, object]], timeout_seconds: floa
 def _described(alert: _Alert) -> dict[str, object]:
     """An alert's labels and annotations, as both Alertmanager's API and `GET /api/v1/alerts` carry them."""
     return {
-        "labels": {"alertname": alert.rule.name, "severity": alert.rule.severity, **alert.labels},
+        "labels": {"alertname": alert.rule.name, **alert.rule.labels, **alert.labels},
         "annotations": {
-            "summary": alert.rule.summary,
-            "description": render(alert.rule.description, alert.labels, alert.value),
-            "runbook_url": alert.rule.runbook_url,
+            key: template.render(alert.labels, alert.value) for key, template in alert.rule.annotations.items()
         },
     }
+
+
+def _with_page_for(rules: Iterable[AlertRule], for_seconds: float | None) -> tuple[AlertRule, ...]:
+    """Config `alerting.for` overrides the page's `for` only (docs/operations.md): a site can page
+    sooner or later without forking the rules file."""
+    if for_seconds is None:
+        return tuple(rules)
+    return tuple(replace(rule, for_seconds=for_seconds) if rule.name == PAGE_ALERT else rule for rule in rules)
 
 
 def _iso(seconds: float) -> str:
@@ -241,20 +177,20 @@ def _iso(seconds: float) -> str:
 
 
 class AlertLoop:
-    """Evaluates RULES over each poll's readings; `evaluate` is driven by the poller (or a test)."""
+    """Evaluates the rules over each poll's readings; `evaluate` is driven by the poller (or a test).
+
+    `rules` defaults to the packaged rules file; tests pass rules loaded from a modified copy."""
 
     def __init__(self, config: Alerting, *, poll_interval_seconds: float, generator_url: str = "",
-                 clock: Callable[[], float] = time.time, post: Post = post_alerts) -> None:
+                 clock: Callable[[], float] = time.time, post: Post = post_alerts,
+                 rules: Sequence[AlertRule] | None = None) -> None:
         self._urls = config.alertmanager_urls
         self._timeout = config.timeout_seconds
         self._generator_url = config.generator_url or generator_url
         self._clock = clock
         self._post = post
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
-        self.rules = tuple(
-            AlertRule(**{**rule.__dict__, "for_seconds": config.for_seconds}) if rule.name == PAGE_ALERT and config.for_seconds is not None
-            else rule for rule in RULES
-        )
+        self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds)
         self._alerts: dict[tuple[str, tuple[tuple[str, str], ...]], _Alert] = {}
         self._history: dict[tuple[tuple[str, str], ...], History] = {}
         self._lock = threading.Lock()
@@ -277,7 +213,7 @@ class AlertLoop:
             for reading, labels, series in labelled:
                 history = self._history[series]
                 for rule in self.rules:
-                    value = rule.condition(reading, history)
+                    value = CONDITIONS[rule.name](reading, history)
                     if value is None:
                         continue
                     key = (rule.name, series)

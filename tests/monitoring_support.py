@@ -18,7 +18,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 RULES_DIR = REPO / "rules"
-ALERTS_FILE = RULES_DIR / "stepbudget.alerts.yaml"
+# The one source of the alert rules is the packaged file the daemon reads; rules/ holds a copy.
+ALERTS_FILE = REPO / "exporter" / "rules" / "stepbudget.alerts.yaml"
 RECORDING_FILE = RULES_DIR / "stepbudget.rules.yaml"
 
 # DESIGN.md §3 "Exported metrics": the only stepbudget_ names the daemon exports.

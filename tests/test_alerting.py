@@ -1,6 +1,7 @@
-"""The in-process alert loop: the same conditions, thresholds, `for`, severities, annotations and
-label sets as rules/stepbudget.alerts.yaml; pending -> firing -> resolved on an injected clock; the
-Alertmanager API v2 protocol (resend cadence, endsAt); and a real Alertmanager on 127.0.0.1.
+"""The in-process alert loop: names, `for`, severities, labels and annotations read from the
+packaged rules file (a changed file changes the loop), rendered as Prometheus renders them; the same
+conditions and thresholds as the rule expressions; pending -> firing -> resolved on an injected
+clock; the Alertmanager API v2 protocol (resend cadence, endsAt); and a real Alertmanager on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
+from exporter.alert_rules import TemplateError, humanize_duration, render
 from exporter.alerting import (
-    KV_CACHE_NEARLY_FULL_RATIO, DRIFT_THRESHOLD_RATIO, PAGE_ALERT, PREEMPTION_WINDOW_SECONDS, RULES, AlertLoop,
-    humanize_duration, post_alerts, render,
+    CONDITIONS, KV_CACHE_NEARLY_FULL_RATIO, DRIFT_THRESHOLD_RATIO, PAGE_ALERT, PREEMPTION_WINDOW_SECONDS,
+    PROMETHEUS_ONLY, AlertLoop, load_rules, packaged_rules, post_alerts,
 )
 from exporter.config import Alerting
+from exporter.errors import InputError
 from exporter.reading import Reading
 from exporter.units import parse_duration_seconds
 from tests.conftest import Alertmanager, ManualClock, wait_until
-
-RULES_FILE = Path(__file__).resolve().parent.parent / "rules" / "stepbudget.alerts.yaml"
+from tests.monitoring_support import ALERTS_FILE as RULES_FILE
 SERIES = {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0",
           "namespace": "llm", "pod": "vllm-0"}
 
@@ -64,31 +66,110 @@ def _reset_structlog():
     structlog.reset_defaults()
 
 
-# --- the table mirrors the rules file --------------------------------------------------------------
+# --- the rules file is the one source ---------------------------------------------------------------
 
 
-def _rule_file_alerts() -> dict[str, dict[str, object]]:
-    document = yaml.safe_load(RULES_FILE.read_text())
+def _rule_file_alerts(path: Path = RULES_FILE) -> dict[str, dict[str, object]]:
+    document = yaml.safe_load(path.read_text())
     return {rule["alert"]: rule for group in document["groups"] for rule in group["rules"] if "alert" in rule}
 
 
-def _words(text: str) -> str:
-    return " ".join(str(text).split())
+def _edited_copy(tmp_path: Path, name: str, **changes: object) -> Path:
+    """A copy of the packaged rules file with `changes` merged into one alert (None deletes a key)."""
+    document = yaml.safe_load(RULES_FILE.read_text())
+    rule = next(r for group in document["groups"] for r in group["rules"] if r.get("alert") == name)
+    for key, value in changes.items():
+        if value is None:
+            rule.pop(key)
+        elif isinstance(value, dict):
+            rule[key] = {**rule.get(key, {}), **value}
+        else:
+            rule[key] = value
+    copy = tmp_path / "stepbudget.alerts.yaml"
+    copy.write_text(yaml.safe_dump(document, sort_keys=False))
+    return copy
 
 
-def test_rule_table_mirrors_the_rules_file() -> None:
+def test_the_loop_raises_every_alert_of_the_rules_file_as_written_there() -> None:
     file_rules = _rule_file_alerts()
     # ExporterAbsent is Prometheus-only: a daemon cannot report its own absence.
-    assert set(file_rules) - {"StepBudgetExporterAbsent"} == {rule.name for rule in RULES}
-    for rule in RULES:
+    assert PROMETHEUS_ONLY == {"StepBudgetExporterAbsent"}
+    assert [rule.name for rule in packaged_rules()] == [name for name in file_rules if name not in PROMETHEUS_ONLY]
+    assert {rule.name for rule in packaged_rules()} == set(CONDITIONS)
+    for rule in packaged_rules():
         source = file_rules[rule.name]
-        assert rule.severity == source["labels"]["severity"], rule.name
-        assert set(source["labels"]) == {"severity"}, "the daemon adds only severity to the series labels"
+        assert dict(rule.labels) == source["labels"] and rule.severity == source["labels"]["severity"], rule.name
         assert rule.for_seconds == parse_duration_seconds(source["for"]), rule.name
-        annotations = source["annotations"]
-        assert rule.summary == annotations["summary"], rule.name
-        assert rule.runbook_url == annotations["runbook_url"], rule.name
-        assert _words(rule.description) == _words(annotations["description"]), rule.name
+        assert {key: t.source for key, t in rule.annotations.items()} == source["annotations"], rule.name
+
+
+# What the loop rendered when the rules were a Python table: the same text, construct by construct.
+RENDERED = {
+    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) has "
+                         "been 25ms, over its step budget, for 5 minutes: the tokens in flight exceed the token "
+                         "budget.",
+    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) "
+                                            "has been 96.3% full (over 95%) for 10 minutes.",
+    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) preempted 1.234k "
+                                       "requests in the last 5 minutes, and has kept preempting for 5 minutes.",
+    ("StepBudgetTargetDown", 0.0): "stepbudget has failed to fetch or parse the metrics of 10.0.0.5:8000 (deployment "
+                                   "chat, model Qwen/Qwen3-8B) for 5 minutes (stepbudget_target_up = 0).",
+}
+
+
+@pytest.mark.parametrize(("name", "value"), list(RENDERED), ids=[name for name, _ in RENDERED])
+def test_descriptions_render_as_the_python_table_did(name: str, value: float) -> None:
+    rule = next(rule for rule in packaged_rules() if rule.name == name)
+    assert rule.annotations["description"].render(SERIES, value) == RENDERED[(name, value)]
+    runbook_url = _rule_file_alerts()[name]["annotations"]["runbook_url"]
+    assert rule.annotations["runbook_url"].render(SERIES, value) == runbook_url
+
+
+def test_changing_for_severity_labels_or_text_in_the_rules_file_changes_the_loop(clock: ManualClock,
+                                                                                 tmp_path: Path) -> None:
+    """No Python edit: the loop built from an edited copy of the rules file follows the copy."""
+    copy = _edited_copy(tmp_path, PAGE_ALERT, **{
+        "for": "1m", "labels": {"severity": "page", "team": "inference"},
+        "annotations": {"summary": "Slow streams on {{ $labels.target }}."}})
+    recorder = Recorder()
+    alerts = AlertLoop(Alerting(alertmanager_urls=("http://am.invalid",)), poll_interval_seconds=15, clock=clock,
+                       post=recorder, rules=load_rules(copy))
+    over = reading(predicted_step_seconds=0.025, predicted_memory_step_seconds=0.025)
+    assert alerts.evaluate([over], clock.now) == []
+    clock.advance(60)  # the copy's `for`, not the packaged 5m
+    [posted] = alerts.evaluate([over], clock.now)
+    assert posted["labels"] == {"alertname": PAGE_ALERT, "severity": "page", "team": "inference", **SERIES}
+    assert posted["annotations"]["summary"] == "Slow streams on 10.0.0.5:8000."
+    # alerting.for still overrides the page's `for`, whatever the file says.
+    overridden = AlertLoop(Alerting(for_seconds=30.0), poll_interval_seconds=15, rules=load_rules(copy))
+    assert {rule.name: rule.for_seconds for rule in overridden.rules}[PAGE_ALERT] == 30.0
+
+
+@pytest.mark.parametrize("construct", ['{{ $value | printf "%.2f" }}', "{{ if $labels.pod }}x{{ end }}",
+                                       "{{ $externalLabels.cluster }}", "{{- $value }}", "{{ $value"])
+def test_a_template_construct_the_loop_cannot_render_fails_loading_naming_it(construct: str, tmp_path: Path) -> None:
+    copy = _edited_copy(tmp_path, "StepBudgetKVCacheNearlyFull", annotations={"description": f"at {construct}"})
+    with pytest.raises(TemplateError) as error:
+        load_rules(copy)
+    message = str(error.value)
+    assert "StepBudgetKVCacheNearlyFull" in message and "description" in message
+    assert construct.split("{{")[1].split("}}")[0] in message
+
+
+@pytest.mark.parametrize(("name", "changes", "named"), [
+    ("StepBudgetKVCacheNearlyFull", {"keep_firing_for": "5m"}, "keep_firing_for"),
+    ("StepBudgetKVCacheNearlyFull", {"labels": {"severity": "{{ $value }}"}}, "label severity"),
+    ("StepBudgetKVCacheNearlyFull", {"alert": "StepBudgetSomethingNew"}, "StepBudgetSomethingNew"),
+])
+def test_a_rules_file_the_loop_cannot_honour_fails_loading(name: str, changes: dict[str, object], named: str,
+                                                           tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=named):
+        load_rules(_edited_copy(tmp_path, name, **changes))
+
+
+def test_a_rule_without_for_fires_at_once(tmp_path: Path) -> None:
+    rules = load_rules(_edited_copy(tmp_path, "StepBudgetTargetDown", **{"for": None}))
+    assert {rule.name: rule.for_seconds for rule in rules}["StepBudgetTargetDown"] == 0.0
 
 
 def test_thresholds_match_the_rule_expressions() -> None:
@@ -309,7 +390,7 @@ def test_active_view_shows_pending_then_firing_without_any_alertmanager(clock: M
     (pending,) = alerts.active()
     assert pending["state"] == "pending" and pending["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
     assert seconds(pending["activeAt"]) == clock() and float(pending["value"]) == 0.030
-    page_for_seconds = next(rule.for_seconds for rule in RULES if rule.name == PAGE_ALERT)
+    page_for_seconds = next(rule.for_seconds for rule in packaged_rules() if rule.name == PAGE_ALERT)
     clock.advance(page_for_seconds)
     alerts.evaluate([over], clock())
     (firing,) = alerts.active()

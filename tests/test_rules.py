@@ -75,6 +75,12 @@ def test_promtool_unit_tests_pass() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_rules_dir_holds_an_exact_copy_of_the_packaged_alerts() -> None:
+    """exporter/rules/ is the one source (the daemon reads it); `make chart-sync` copies it to rules/."""
+    copy = REPO / "rules" / ALERTS_FILE.name
+    assert copy.read_bytes() == ALERTS_FILE.read_bytes(), f"{copy} drifted from {ALERTS_FILE}: run `make chart-sync`"
+
+
 def test_every_design_alert_exists_and_nothing_else() -> None:
     assert {rule["alert"] for rule in _alerts()} == DESIGN_ALERTS
 
@@ -140,11 +146,12 @@ def test_every_recording_rule_is_unit_tested() -> None:
 # --- mutation: the promtool unit tests must catch a drifted `for` or threshold -----------------
 
 def _run_unit_tests_against(promtool: str, alerts_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """Copy the rule tests next to a mutated alerts file and run them."""
-    (tmp_path / "rules").mkdir()
-    (tmp_path / "tests" / "rules").mkdir(parents=True)
-    (tmp_path / "rules" / ALERTS_FILE.name).write_text(alerts_text)
-    shutil.copy(RECORDING_FILE, tmp_path / "rules" / RECORDING_FILE.name)
+    """Copy the rule tests next to a mutated alerts file, in the repository's layout, and run them."""
+    alerts, recording = tmp_path / ALERTS_FILE.relative_to(REPO), tmp_path / RECORDING_FILE.relative_to(REPO)
+    for directory in (alerts.parent, recording.parent, tmp_path / "tests" / "rules"):
+        directory.mkdir(parents=True, exist_ok=True)
+    alerts.write_text(alerts_text)
+    shutil.copy(RECORDING_FILE, recording)
     copies = []
     for path in RULE_TESTS:
         copy = tmp_path / "tests" / "rules" / path.name
