@@ -30,7 +30,8 @@ What is here, in data-flow order: `AdmissionBook` (pure apart from its lock; tim
 injected clock, so tests drive it in simulated time), `measurements_from_readings` (the daemon's
 Readings -> one budget and one measurement per target), `AdmissionApi` (the two POST handlers,
 independent of the HTTP server), `AdmissionCollector` (the two metric families), the `admission`
-and `pools` config sections, and `install`, the daemon extension hook that wires them together.
+and `pools` config sections (`ADMISSION_SECTION`, `POOLS_SECTION`, which config.py lists), and
+`install`, the daemon extension hook that wires them together (daemon.py lists it).
 """
 
 from __future__ import annotations
@@ -43,13 +44,20 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from exporter.config_validators import (
+    REQUIRED, ConfigError, Key, Section, Where, boolean, existing_file, string, whole_positive,
+)
 from exporter.errors import InputError
 from exporter.suggest import close_names
+
+if TYPE_CHECKING:
+    from exporter.config import Config
+    from exporter.daemon import Daemon
 
 DECISIONS = ("admitted", "refused", "redirected")
 POOL_NAMES = ("short", "long", "auto")
@@ -652,46 +660,27 @@ class AdmissionCollector(Collector):
         yield accounted
 
 
-# --- config: the `admission` and `pools` sections --------------------------------------------------
+# --- config: the `admission` and `pools` sections (listed by config.top_level_keys) ---------------
 
 
-def _check_admission_section(result: Mapping[str, Any], where: Any) -> None:
+def check_admission_section(result: Mapping[str, Any], where: Where) -> None:
+    """Enabled needs a readable token: refuse at check-config rather than at the first request."""
     if result["enabled"] and not result["token_file"]:
         raise InputError("enabled: true needs token_file (a file holding the bearer token gateways send)")
     if result["enabled"]:
         read_token_file(result["token_file"])
 
 
-def _check_pools_section(result: Mapping[str, Any], where: Any) -> None:
+def check_pools_section(result: Mapping[str, Any], where: Where) -> None:
+    """Two pools on one deployment would redirect requests to where they already are."""
     if result["short"] == result["long"]:
         raise InputError(f"short and long name the same deployment {result['short']!r}; "
                          "the long-context pool must be its own deployment")
 
 
-def register_config_sections() -> None:
-    """Add `admission` and `pools` to the daemon's config table (config.py's extension point)."""
-    from exporter import config
-
-    config.register_section("admission", {
-        "enabled": config.Key(config._bool, False, "serve POST /v1/admission and /v1/release (off by default)"),
-        "token_file": config.Key(config._existing_file, None,
-                                 "file holding the bearer token gateways must send; required when enabled"),
-    }, "admission by tokens in flight (docs/admission.md)", check=_check_admission_section)
-    config.register_section("pools", {
-        "short": config.Key(config._string, config.REQUIRED, "deployment serving contexts up to split_tokens"),
-        "long": config.Key(config._string, config.REQUIRED,
-                           "deployment serving longer contexts, where slower streaming is expected"),
-        "split_tokens": config.Key(config._whole_positive, config.REQUIRED,
-                                   "context (prompt + output limit) above which a request belongs to the long pool"),
-    }, "short- and long-context pools for admission and `plan --pools`", check=_check_pools_section)
-    config.register_config_check(_check_pools_deployments)
-
-
-def pools_from_config(config: Any) -> Pools | None:
+def pools_from_config(config: Config) -> Pools | None:
     """The `pools` section as Pools, its deployments checked against `deployments[]` (also run by
     the config's own validation, so `check-config` reports a pool naming no deployment)."""
-    from exporter.config import ConfigError
-
     raw = config.sections.get("pools")
     if not raw:
         return None
@@ -701,23 +690,42 @@ def pools_from_config(config: Any) -> Pools | None:
         if raw[key] not in names:
             place = f"{config.source}:{lines.get(key, getattr(raw, 'line', 0))}: " if config.source else ""
             raise ConfigError(f"{place}pools.{key}: deployment {raw[key]!r} is not in deployments"
-                             f"{close_names(raw[key], names)}; known: {', '.join(names)}")
+                              f"{close_names(raw[key], names)}; known: {', '.join(names)}")
     return Pools(raw["short"], raw["long"], raw["split_tokens"])
 
 
-def _check_pools_deployments(config: Any) -> None:
+def check_pools_deployments(config: Config) -> None:
+    """A cross-section check: `pools` may only name deployments the config has."""
     pools_from_config(config)
 
 
-def api_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic) -> AdmissionApi | None:
-    """The admission API for a daemon config, or None when `admission.enabled` is off."""
+ADMISSION_SECTION = Section("admission", {
+    "enabled": Key(boolean, False, "serve POST /v1/admission and /v1/release (off by default)"),
+    "token_file": Key(existing_file, None, "file holding the bearer token gateways must send; required when enabled"),
+}, "admission by tokens in flight (docs/admission.md)", check=check_admission_section)
+POOLS_SECTION = Section("pools", {
+    "short": Key(string, REQUIRED, "deployment serving contexts up to split_tokens"),
+    "long": Key(string, REQUIRED, "deployment serving longer contexts, where slower streaming is expected"),
+    "split_tokens": Key(whole_positive, REQUIRED,
+                        "context (prompt + output limit) above which a request belongs to the long pool"),
+}, "short- and long-context pools for admission and `plan --pools`", check=check_pools_section,
+    config_check=check_pools_deployments)
+
+
+def admission_enabled(config: Config) -> bool:
+    """Whether the config turns the admission API on (`admission.enabled`)."""
     raw = config.sections.get("admission")
-    if not raw or not raw["enabled"]:
+    return bool(raw and raw["enabled"])
+
+
+def api_from_config(config: Config, *, clock: Callable[[], float] = time.monotonic) -> AdmissionApi | None:
+    """The admission API for a daemon config, or None when `admission.enabled` is off."""
+    if not admission_enabled(config):
         return None
-    return AdmissionApi(book_from_config(config, clock=clock), read_token_file(raw["token_file"]))
+    return AdmissionApi(book_from_config(config, clock=clock), read_token_file(config.sections["admission"]["token_file"]))
 
 
-def book_from_config(config: Any, *, clock: Callable[[], float] = time.monotonic,
+def book_from_config(config: Config, *, clock: Callable[[], float] = time.monotonic,
                      with_pools: bool = True) -> AdmissionBook:
     """An empty book for a daemon config's deployments (and its `pools`, unless `with_pools` is off)."""
     return AdmissionBook(
@@ -735,11 +743,12 @@ def sync_at_every_poll(book: AdmissionBook, poller: Any) -> None:
 # --- the daemon: routes, poll listener, metrics ------------------------------------------------------
 
 
-def install(daemon: Any) -> AdmissionApi | None:
-    """Daemon extension hook: with `admission.enabled`, serve the API, reconcile at every poll and
-    export the admission metrics on the daemon's registry. Off by default: nothing is added.
-    Returns the installed API (its `book` is the live state), for tests and embedders."""
-    from exporter.server import Response
+def install(daemon: Daemon) -> AdmissionApi | None:
+    """Daemon extension hook (listed by `daemon.extensions_for`): with `admission.enabled`, serve the
+    API, reconcile at every poll and export the admission metrics on the daemon's registry. Off by
+    default: nothing is added. Returns the installed API (its `book` is the live state), for tests
+    and embedders."""
+    from exporter.server import Response  # the HTTP server's types, paid for only when admission is on
 
     api = api_from_config(daemon.config)
     if api is None:
@@ -758,14 +767,3 @@ def install(daemon: Any) -> AdmissionApi | None:
     daemon.server.registry.register(AdmissionCollector(api.book))
     return api
 
-
-register_config_sections()
-
-
-def _register_with_daemon() -> None:
-    from exporter import daemon
-
-    daemon.register_extension(install)
-
-
-_register_with_daemon()

@@ -1,67 +1,64 @@
 """The daemon's YAML config: a declarative key table, validation with file lines, and `check-config`.
 
 Why a table: every key has one place that says its type, default and meaning, so validation,
-defaults, `docs/operations.md` and flag overrides cannot drift apart, and other parts of the
-daemon add their own sections (`shard`, `admission`, `pools`) with `register_section` instead of
-editing this file. A bad key is reported as `FILE:LINE: PATH: problem`, where PATH reads like
+defaults, `docs/operations.md`, the chart's JSON schema and flag overrides cannot drift apart. The
+optional sections (`shard`, `admission`, `pools`) are declared next to their features with the
+public validators of `exporter/config_validators.py` and listed here, in `daemon_sections`, the
+one place that says what a config may hold (`top_level_keys` joins them to the core keys): whether a config is valid never depends on which modules
+happen to be imported. A bad key is reported as `FILE:LINE: PATH: problem`, where PATH reads like
 `deployments[1].targets.static[0]`, and the CLI exits 2.
+
+`stepbudget check-config` runs `run` below; it imports the config's own modules only, never the
+daemon's poller or server.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import yaml
 
 from exporter import model
+from exporter.admission import ADMISSION_SECTION, POOLS_SECTION
+from exporter.config_validators import (
+    REQUIRED, ConfigError, Invalid, Key, LineDict, LineList, Parser, Section, Table, Where, bandwidth, boolean,
+    choice, duration, existing_file, list_of, non_negative, non_negative_seconds, one_of_keys, port, positive,
+    ratio, section, size, string, url, url_list, url_path, whole_positive,
+)
 from exporter.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.errors import InputError
 from exporter.model import Architecture
 from exporter.presets import get_gpu
-from exporter.suggest import close_names
-from exporter.units import parse_duration_seconds, parse_overhead_seconds, parse_size_bytes
+from exporter.sharding import SHARD_SECTION
+
+# The public names; ConfigError, Key, REQUIRED, Section, Table, Where, LineDict and `section` are
+# re-exported from config_validators so `from exporter.config import ConfigError` keeps working.
+__all__ = [
+    "ALERTING_KEYS", "AUTH_KEYS", "CALIBRATION_NUMBERS", "CALIBRATION_REQUIRED_KEYS", "CORE_KEYS",
+    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "ENGINE_KINDS",
+    "KUBERNETES_KEYS", "LOG_FORMATS", "REQUIRED", "TARGETS_KEYS", "TLS_KEYS", "TOP_LEVEL_KEYS", "Alerting", "Auth",
+    "Config", "ConfigError", "Deployment", "DnsTargets", "Key", "KubernetesTargets", "LineDict", "Section", "Table",
+    "Tls", "Where", "build_parser", "config_from_mapping", "daemon_sections", "empty_document", "listen_address",
+    "load_config", "parse_listen", "read_document", "run", "section", "targets_check", "top_level_keys",
+]
 
 ENGINE_KINDS = ("auto", "vllm", "sglang", "tgi")
 LOG_FORMATS = ("auto", "json", "console")
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20
 
 
-class ConfigError(InputError):
-    """A config problem: the message carries file, line and key path."""
-
-
-class _Bad(Exception):
-    """Raised by a key's parser; the walker adds file, line and path to the message."""
-
-
-# --- YAML with line numbers ---------------------------------------------------------------------
-
-
-class _LineDict(dict):
-    """A mapping that remembers the file line of itself and of each key."""
-
-    line: int = 0
-    key_lines: dict[Any, int]
-
-
-class _LineList(list):
-    line: int = 0
-    item_lines: list[int]
-
-
 class _LineLoader(yaml.SafeLoader):
     """SafeLoader that keeps line numbers and rejects duplicate keys (PyYAML keeps the last)."""
 
 
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict:
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> LineDict:
     loader.flatten_mapping(node)
-    result = _LineDict()
-    result.line, result.key_lines = node.start_mark.line + 1, {}
+    result = LineDict(line=node.start_mark.line + 1)
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if key in result:
@@ -71,314 +68,92 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict
     return result
 
 
-def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> _LineList:
-    result = _LineList(loader.construct_object(child, deep=True) for child in node.value)
-    result.line, result.item_lines = node.start_mark.line + 1, [child.start_mark.line + 1 for child in node.value]
-    return result
+def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> LineList:
+    return LineList((loader.construct_object(child, deep=True) for child in node.value),
+                    line=node.start_mark.line + 1, item_lines=[child.start_mark.line + 1 for child in node.value])
 
 
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
+# --- the key tables --------------------------------------------------------------------------
 
-# --- the key table ----------------------------------------------------------------------------
-
-REQUIRED = object()
-Parser = Callable[[Any, "_Where"], Any]
-
-
-@dataclass(frozen=True)
-class Key:
-    """One config key: how to read it, its default (REQUIRED: must be given), what it means."""
-
-    parse: Parser
-    default: Any = None
-    doc: str = ""
-
-
-@dataclass(frozen=True)
-class _Where:
-    """Where a value sits: its path like `deployments[1].targets` and its file line."""
-
-    path: str
-    line: int
-
-    def child(self, name: str | int, line: int | None) -> "_Where":
-        path = f"{self.path}[{name}]" if isinstance(name, int) else (f"{self.path}.{name}" if self.path else name)
-        return _Where(path, line or self.line)
-
-
-def _string(value: Any, where: _Where) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad(f"expected a non-empty string, got {value!r}")
-    return value.strip()
-
-
-def _with_unit(parse: Callable[[Any, str], float], value: Any) -> float:
-    """A units.py parser's value; its message, less the placeholder name, becomes the key's problem."""
-    try:
-        return parse(value, "value")
-    except InputError as error:
-        raise _Bad(str(error).removeprefix("value: ")) from None
-
-
-def _duration(value: Any, where: _Where) -> float:
-    return _with_unit(parse_duration_seconds, value)
-
-
-def _size(value: Any, where: _Where) -> float:
-    return _with_unit(parse_size_bytes, value)
-
-
-def _number(value: Any) -> float:
-    if isinstance(value, str):
-        # PyYAML (YAML 1.1) reads `8.0e9` and `2e12` as strings: accept plain numbers written so.
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise _Bad(f"expected a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _Bad(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _positive(value: Any, where: _Where) -> float:
-    number = _number(value)
-    if not number > 0:
-        raise _Bad(f"must be greater than zero, got {value!r}")
-    return number
-
-
-def _non_negative(value: Any, where: _Where) -> float:
-    number = _number(value)
-    if number < 0:
-        raise _Bad(f"must not be negative, got {value!r}")
-    return number
-
-
-def _non_negative_seconds(value: Any, where: _Where) -> float:
-    """Seconds or a duration such as `2ms`; zero is allowed (a per-step overhead of none)."""
-    return _with_unit(parse_overhead_seconds, value)
-
-
-def _ratio(value: Any, where: _Where) -> float:
-    number = _number(value)
-    if not 0 < number <= 1:
-        raise _Bad(f"must be a ratio in (0, 1], got {value!r}")
-    return number
-
-
-def _whole_positive(value: Any, where: _Where) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _Bad(f"expected a whole number >= 1, got {value!r}")
-    return value
-
-
-def _port(value: Any, where: _Where) -> int:
-    number = _whole_positive(value, where)
-    if number > 65535:
-        raise _Bad(f"a port is at most 65535, got {value!r}")
-    return number
-
-
-def _bool(value: Any, where: _Where) -> bool:
-    if not isinstance(value, bool):
-        raise _Bad(f"expected true or false, got {value!r}")
-    return value
-
-
-def _bandwidth(value: Any, where: _Where) -> float:
-    """Bytes per second: a number, or a size such as `2TB` (read as per second)."""
-    return _size(value, where)
-
-
-def _choice(*choices: str) -> Parser:
-    def parse(value: Any, where: _Where) -> str:
-        text = _string(value, where).lower()
-        if text not in choices:
-            raise _Bad(f"expected one of {', '.join(choices)}, got {value!r}{close_names(str(value), choices)}")
-        return text
-
-    return parse
-
-
-def _url(value: Any, where: _Where) -> str:
-    text = _string(value, where)
-    if not text.startswith(("http://", "https://")):
-        raise _Bad(f"expected an http:// or https:// URL, got {value!r}")
-    return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
-
-
-def _existing_file(value: Any, where: _Where) -> str:
-    path = _string(value, where)
-    if not os.path.isfile(path):
-        raise _Bad(f"file {path!r} does not exist")
-    return path
-
-
-def _url_path(value: Any, where: _Where) -> str:
-    text = _string(value, where)
-    if not text.startswith("/"):
-        raise _Bad(f"a URL path starts with '/', got {value!r}")
-    return text
-
-
-def _list_of(item: Parser, *, non_empty: bool = True) -> Parser:
-    def parse(value: Any, where: _Where) -> list[Any]:
-        if not isinstance(value, list):
-            raise _Bad(f"expected a list, got {type(value).__name__} {value!r}")
-        if non_empty and not value:
-            raise _Bad("the list is empty")
-        lines = getattr(value, "item_lines", [where.line] * len(value))
-        return [_parse_at(item, element, where.child(index, lines[index])) for index, element in enumerate(value)]
-
-    return parse
-
-
-def _url_list(value: Any, where: _Where) -> list[str]:
-    return _list_of(_url)([value] if isinstance(value, str) else value, where)
-
-
-Table = dict[str, Key]
-
-
-def section(table: Table, *, check: Callable[[dict[str, Any], _Where], None] | None = None) -> Parser:
-    """A mapping validated against `table`: unknown keys are errors, defaults fill the rest."""
-
-    def parse(value: Any, where: _Where) -> dict[str, Any]:
-        if value is None:
-            value = _LineDict()
-        if not isinstance(value, dict):
-            raise _Bad(f"expected a mapping, got {type(value).__name__} {value!r}")
-        lines = getattr(value, "key_lines", {})
-        for name in value:
-            if name not in table:
-                raise ConfigError(_message(where.child(str(name), lines.get(name)),
-                                           f"unknown key{close_names(str(name), table)}; known: {', '.join(table)}"))
-        result = _LineDict()
-        result.line, result.key_lines = where.line, dict(lines)
-        for name, key in table.items():
-            if name in value and value[name] is not None:
-                result[name] = _parse_at(key.parse, value[name], where.child(name, lines.get(name)))
-            elif key.default is REQUIRED:
-                raise ConfigError(_message(where, f"missing required key {name!r}"))
-            else:
-                result[name] = key.default
-        if check is not None:
-            _run_check(check, result, where)
-        return result
-
-    return parse
-
-
-def _run_check(check: Callable[[dict[str, Any], _Where], None], result: dict[str, Any], where: _Where) -> None:
-    try:
-        check(result, where)
-    except _Bad as bad:
-        raise ConfigError(_message(where, str(bad))) from None
-
-
-_current_file: list[str] = [""]  # set while one file is validated, for messages
-
-
-def _message(where: _Where, problem: str) -> str:
-    place = f"{_current_file[0]}:{where.line}: " if _current_file[0] else (f"line {where.line}: " if where.line else "")
-    return f"{place}{where.path or 'config'}: {problem}"
-
-
-def _parse_at(parser: Parser, value: Any, where: _Where) -> Any:
-    try:
-        return parser(value, where)
-    except _Bad as bad:
-        raise ConfigError(_message(where, str(bad))) from None
-    except ConfigError:
-        raise
-    except InputError as error:
-        raise ConfigError(_message(where, str(error))) from None
-
-
-def _one_of_keys(*names: str) -> Callable[[dict[str, Any], _Where], None]:
-    def check(result: dict[str, Any], where: _Where) -> None:
-        if sum(result[name] is not None for name in names) > 1:
-            raise _Bad(f"give at most one of {', '.join(names)}")
-
-    return check
-
-
-def _targets_check(result: dict[str, Any], where: _Where) -> None:
+def targets_check(result: dict[str, Any], where: Where) -> None:
+    """A deployment with no target source would poll nothing, silently."""
     if not any(result[name] for name in ("static", "dns", "kubernetes")):
-        raise _Bad("give at least one of static, dns, kubernetes")
+        raise Invalid("give at least one of static, dns, kubernetes")
 
 
 DNS_KEYS: Table = {
-    "name": Key(_string, REQUIRED, "DNS name resolving to every pod, e.g. a headless Service `vllm.ns.svc.cluster.local`"),
-    "port": Key(_port, 8000, "port of the model server's metrics endpoint"),
-    "path": Key(_url_path, "/metrics", "metrics path"),
-    "scheme": Key(_choice("http", "https"), "http", "http or https"),
+    "name": Key(string, REQUIRED, "DNS name resolving to every pod, e.g. a headless Service `vllm.ns.svc.cluster.local`"),
+    "port": Key(port, 8000, "port of the model server's metrics endpoint"),
+    "path": Key(url_path, "/metrics", "metrics path"),
+    "scheme": Key(choice("http", "https"), "http", "http or https"),
 }
 KUBERNETES_KEYS: Table = {
-    "namespace": Key(_string, REQUIRED, "namespace of the model-server pods"),
-    "label_selector": Key(_string, REQUIRED, "label selector of the pods, e.g. `app=vllm`"),
-    "port": Key(_port, 8000, "port of the metrics endpoint on each pod"),
-    "path": Key(_url_path, "/metrics", "metrics path"),
-    "scheme": Key(_choice("http", "https"), "http", "http or https"),
-    "kubeconfig": Key(_existing_file, None, "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
+    "namespace": Key(string, REQUIRED, "namespace of the model-server pods"),
+    "label_selector": Key(string, REQUIRED, "label selector of the pods, e.g. `app=vllm`"),
+    "port": Key(port, 8000, "port of the metrics endpoint on each pod"),
+    "path": Key(url_path, "/metrics", "metrics path"),
+    "scheme": Key(choice("http", "https"), "http", "http or https"),
+    "kubeconfig": Key(existing_file, None, "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
 }
 TARGETS_KEYS: Table = {
-    "static": Key(_url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
+    "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
     "dns": Key(section(DNS_KEYS), None, "DNS discovery: every address the name resolves to is a target"),
     "kubernetes": Key(section(KUBERNETES_KEYS), None, "Kubernetes pod discovery (Running pods with an IP)"),
 }
 AUTH_KEYS: Table = {
-    "bearer_token_file": Key(_existing_file, None, "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
-    "bearer_token_env": Key(_string, None, "name of an environment variable holding a bearer token"),
+    "bearer_token_file": Key(existing_file, None, "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
+    "bearer_token_env": Key(string, None, "name of an environment variable holding a bearer token"),
 }
 TLS_KEYS: Table = {
-    "ca_file": Key(_existing_file, None, "CA bundle to verify the servers' certificates"),
-    "insecure_skip_verify": Key(_bool, False, "do not verify certificates (testing only)"),
+    "ca_file": Key(existing_file, None, "CA bundle to verify the servers' certificates"),
+    "insecure_skip_verify": Key(boolean, False, "do not verify certificates (testing only)"),
 }
 DEFAULTS_KEYS: Table = {
-    "target_tokens_per_second": Key(_positive, 50.0, "per-user decode speed target (tokens/s)"),
-    "headroom": Key(_ratio, model.DEFAULT_HEADROOM, "share of each step's budget kept for decode (the rest for prompt chunks)"),
-    "bandwidth_efficiency": Key(_ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY, "effective/peak memory bandwidth when not configured or calibrated"),
-    "compute_efficiency": Key(_ratio, model.DEFAULT_COMPUTE_EFFICIENCY, "effective/peak dense compute"),
+    "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
+    "headroom": Key(ratio, model.DEFAULT_HEADROOM, "share of each step's budget kept for decode (the rest for prompt chunks)"),
+    "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY, "effective/peak memory bandwidth when not configured or calibrated"),
+    "compute_efficiency": Key(ratio, model.DEFAULT_COMPUTE_EFFICIENCY, "effective/peak dense compute"),
 }
 DEPLOYMENT_KEYS: Table = {
-    "name": Key(_string, REQUIRED, "deployment name (the `deployment` label)"),
-    "model": Key(_string, REQUIRED, "model preset name or path to a Hugging Face config.json"),
-    "params": Key(_positive, None, "total parameter count, overriding the preset's"),
-    "gpu": Key(_string, REQUIRED, "GPU preset name"),
-    "gpu_memory": Key(_size, None, "GPU memory, overriding the preset's (e.g. `80GB`, a MIG slice)"),
-    "tensor_parallel": Key(_whole_positive, 1, "GPUs per replica"),
-    "weight_dtype": Key(_string, "bf16", "weight dtype: bf16, fp16, fp8, int8, int4, awq, gptq"),
-    "kv_cache_dtype": Key(_string, "auto", "KV cache dtype: auto (16-bit), fp8, ..."),
-    "gpu_memory_utilization": Key(_ratio, 0.9, "vLLM's --gpu-memory-utilization (capacity when the page lacks it)"),
-    "effective_bandwidth": Key(_bandwidth, None, "effective memory bandwidth per GPU in bytes/s (source `configured`)"),
-    "bandwidth_efficiency": Key(_ratio, None, "overrides defaults.bandwidth_efficiency for this deployment"),
-    "compute_efficiency": Key(_ratio, None, "overrides defaults.compute_efficiency for this deployment"),
-    "step_overhead": Key(_non_negative_seconds, None, "fixed per-step overhead (seconds or a duration like `2ms`)"),
-    "calibration": Key(_existing_file, None, "`stepbudget calibrate --json` output: sets bandwidth and overhead (source `calibrated`)"),
-    "target_tokens_per_second": Key(_positive, None, "overrides defaults.target_tokens_per_second"),
-    "headroom": Key(_ratio, None, "overrides defaults.headroom"),
-    "engine": Key(_choice(*ENGINE_KINDS), "auto", "page format: auto, vllm, sglang, tgi"),
-    "targets": Key(section(TARGETS_KEYS, check=_targets_check), REQUIRED, "where the model servers are"),
-    "auth": Key(section(AUTH_KEYS, check=_one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
+    "name": Key(string, REQUIRED, "deployment name (the `deployment` label)"),
+    "model": Key(string, REQUIRED, "model preset name or path to a Hugging Face config.json"),
+    "params": Key(positive, None, "total parameter count, overriding the preset's"),
+    "gpu": Key(string, REQUIRED, "GPU preset name"),
+    "gpu_memory": Key(size, None, "GPU memory, overriding the preset's (e.g. `80GB`, a MIG slice)"),
+    "tensor_parallel": Key(whole_positive, 1, "GPUs per replica"),
+    "weight_dtype": Key(string, "bf16", "weight dtype: bf16, fp16, fp8, int8, int4, awq, gptq"),
+    "kv_cache_dtype": Key(string, "auto", "KV cache dtype: auto (16-bit), fp8, ..."),
+    "gpu_memory_utilization": Key(ratio, 0.9, "vLLM's --gpu-memory-utilization (capacity when the page lacks it)"),
+    "effective_bandwidth": Key(bandwidth, None, "effective memory bandwidth per GPU in bytes/s (source `configured`)"),
+    "bandwidth_efficiency": Key(ratio, None, "overrides defaults.bandwidth_efficiency for this deployment"),
+    "compute_efficiency": Key(ratio, None, "overrides defaults.compute_efficiency for this deployment"),
+    "step_overhead": Key(non_negative_seconds, None, "fixed per-step overhead (seconds or a duration like `2ms`)"),
+    "calibration": Key(existing_file, None, "`stepbudget calibrate --json` output: sets bandwidth and overhead (source `calibrated`)"),
+    "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
+    "headroom": Key(ratio, None, "overrides defaults.headroom"),
+    "engine": Key(choice(*ENGINE_KINDS), "auto", "page format: auto, vllm, sglang, tgi"),
+    "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
+    "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
     "tls": Key(section(TLS_KEYS), None, "TLS settings for https targets"),
 }
 ALERTING_KEYS: Table = {
-    "alertmanager_urls": Key(_url_list, [], "Alertmanager base URLs; empty: the in-process alert loop is off"),
-    "for": Key(_duration, None, "overrides the page's `for` (StepBudgetPredictedStepOverBudget, 5m in the rules)"),
-    "timeout": Key(_duration, 5.0, "timeout of each POST to Alertmanager"),
-    "generator_url": Key(_url, None, "link put in each alert (default: this daemon's `/`)"),
+    "alertmanager_urls": Key(url_list, [], "Alertmanager base URLs; empty: the in-process alert loop is off"),
+    "for": Key(duration, None, "overrides the page's `for` (StepBudgetPredictedStepOverBudget, 5m in the rules)"),
+    "timeout": Key(duration, 5.0, "timeout of each POST to Alertmanager"),
+    "generator_url": Key(url, None, "link put in each alert (default: this daemon's `/`)"),
 }
 
 
-def _listen(value: Any, where: _Where) -> str:
+def listen_address(value: Any, where: Where) -> str:
+    """`HOST:PORT` or `:PORT` (a bare port number too), kept as text for `parse_listen` at bind time."""
     text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
     try:
         parse_listen(text)
     except InputError as error:
-        raise _Bad(str(error)) from None
+        raise Invalid(str(error)) from None
     return text
 
 
@@ -390,40 +165,40 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
-TOP_LEVEL_KEYS: Table = {
-    "listen": Key(_listen, ":9421", "address the daemon serves /metrics on"),
-    "poll_interval": Key(_duration, 15.0, "how often every target is polled"),
-    "timeout": Key(_duration, 5.0, "per-target fetch deadline (connect + whole body)"),
-    "stale_after": Key(_duration, 60.0, "a failing target's last good values are dropped after this"),
-    "max_response_bytes": Key(_size, float(DEFAULT_MAX_RESPONSE_BYTES), "a page larger than this is refused"),
-    "log_format": Key(_choice(*LOG_FORMATS), "auto", "json, console, or auto (console on a TTY)"),
+CORE_KEYS: Table = MappingProxyType({
+    "listen": Key(listen_address, ":9421", "address the daemon serves /metrics on"),
+    "poll_interval": Key(duration, 15.0, "how often every target is polled"),
+    "timeout": Key(duration, 5.0, "per-target fetch deadline (connect + whole body)"),
+    "stale_after": Key(duration, 60.0, "a failing target's last good values are dropped after this"),
+    "max_response_bytes": Key(size, float(DEFAULT_MAX_RESPONSE_BYTES), "a page larger than this is refused"),
+    "log_format": Key(choice(*LOG_FORMATS), "auto", "json, console, or auto (console on a TTY)"),
     "defaults": Key(section(DEFAULTS_KEYS), None, "defaults for every deployment"),
-    "deployments": Key(_list_of(section(DEPLOYMENT_KEYS)), REQUIRED, "the model-server deployments to watch"),
+    "deployments": Key(list_of(section(DEPLOYMENT_KEYS)), REQUIRED, "the model-server deployments to watch"),
     "alerting": Key(section(ALERTING_KEYS), None, "the in-process alert loop"),
-}
-
-# Extension point: other modules add top-level sections (`shard`, `admission`, `pools`) here. Their
-# parsed, defaulted values land in `Config.sections[name]`.
-_EXTRA_SECTIONS: dict[str, Key] = {}
+})
 
 
-def register_section(name: str, table: Table, doc: str = "", *,
-                     check: Callable[[dict[str, Any], _Where], None] | None = None) -> None:
-    """Add a top-level config section validated by `table` (call at import of the owning module)."""
-    if name in TOP_LEVEL_KEYS and name not in _EXTRA_SECTIONS:
-        raise ValueError(f"config section {name!r} is built in")
-    key = Key(section(table, check=check), None, doc)
-    _EXTRA_SECTIONS[name] = key
-    TOP_LEVEL_KEYS[name] = key
+def daemon_sections() -> tuple[Section, ...]:
+    """Every optional top-level section, each declared by its feature and listed here only.
+
+    Their parsed, defaulted values land in `Config.sections[name]`; a section not listed here is an
+    unknown key. One explicit list (not registration at import) keeps validity independent of
+    which modules were imported first.
+    """
+    return (SHARD_SECTION, ADMISSION_SECTION, POOLS_SECTION)
 
 
-# Checks across sections (e.g. `pools` naming deployments), run on the built Config; each raises
-# ConfigError naming the key.
-_CONFIG_CHECKS: list[Callable[["Config"], None]] = []
+def top_level_keys(sections: tuple[Section, ...] | None = None) -> Table:
+    """The whole schema of a config file: the core keys plus `sections` (default: `daemon_sections()`)."""
+    keys = dict(CORE_KEYS)
+    for extra in daemon_sections() if sections is None else sections:
+        if extra.name in keys:
+            raise ValueError(f"config section {extra.name!r} is already a key of the config")
+        keys[extra.name] = extra.key()
+    return MappingProxyType(keys)
 
 
-def register_config_check(check: Callable[["Config"], None]) -> None:
-    _CONFIG_CHECKS.append(check)
+TOP_LEVEL_KEYS: Table = top_level_keys()  # read-only: what `check-config` and the chart's schema accept
 
 
 # --- the parsed config --------------------------------------------------------------------------
@@ -525,19 +300,19 @@ class Config:
 
 # What `stepbudget calibrate --json` always writes and the daemon reads, with how each is checked.
 CALIBRATION_NUMBERS: dict[str, Parser] = {
-    "effective_bandwidth_bytes_per_second": _positive,
-    "step_overhead_seconds": _non_negative,
-    "spread_ratio": _non_negative,
-    "tolerance_ratio": _positive,
+    "effective_bandwidth_bytes_per_second": positive,
+    "step_overhead_seconds": non_negative,
+    "spread_ratio": non_negative,
+    "tolerance_ratio": positive,
 }
 CALIBRATION_REQUIRED_KEYS = (*CALIBRATION_NUMBERS, "agrees")
 
 
-def _calibration_values(path: str, deployment: str, where: _Where) -> tuple[float, float]:
+def _calibration_values(path: str, deployment: str, where: Where) -> tuple[float, float]:
     """Bandwidth and overhead from `stepbudget calibrate --json` output that calibrate itself accepted."""
 
     def refuse(problem: str) -> ConfigError:
-        return ConfigError(_message(where, f"deployment {deployment!r}: calibration file {path!r} {problem}"))
+        return where.error(f"deployment {deployment!r}: calibration file {path!r} {problem}")
 
     try:
         with open(path, encoding="utf-8") as handle:
@@ -553,7 +328,7 @@ def _calibration_values(path: str, deployment: str, where: _Where) -> tuple[floa
     for key, parse in CALIBRATION_NUMBERS.items():
         try:
             numbers[key] = parse(document[key], where)
-        except _Bad as bad:
+        except Invalid as bad:
             raise refuse(f"has an unusable {key}: {bad}") from None
     agrees, spread, tolerance = document["agrees"], numbers["spread_ratio"], numbers["tolerance_ratio"]
     if not isinstance(agrees, bool):
@@ -568,12 +343,12 @@ def _calibration_values(path: str, deployment: str, where: _Where) -> tuple[floa
     return numbers["effective_bandwidth_bytes_per_second"], numbers["step_overhead_seconds"]
 
 
-def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Where) -> Deployment:
+def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Where) -> Deployment:
     lines = getattr(raw, "key_lines", {})
     bandwidth, overhead, calibrated = raw["effective_bandwidth"], raw["step_overhead"], False
     if raw["calibration"] is not None:
         if bandwidth is not None:
-            raise ConfigError(_message(where, "give effective_bandwidth or calibration, not both"))
+            raise where.error("give effective_bandwidth or calibration, not both")
         bandwidth, calibrated_overhead = _calibration_values(raw["calibration"], raw["name"],
                                                              where.child("calibration", lines.get("calibration")))
         overhead = calibrated_overhead if overhead is None else overhead
@@ -584,7 +359,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Whe
         try:
             return check()
         except InputError as error:
-            raise ConfigError(_message(where.child(key, lines.get(key)), str(error))) from None
+            raise where.child(key, lines.get(key)).error(str(error)) from None
 
     architecture: Architecture = at_key("model", lambda: load_architecture(raw["model"], raw["params"]))
     at_key("gpu", lambda: get_gpu(raw["gpu"]))
@@ -604,7 +379,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Whe
             step_overhead_seconds=overhead or 0.0,
         )
     except InputError as error:
-        raise ConfigError(_message(where, str(error))) from None
+        raise where.error(str(error)) from None
     targets = raw["targets"]
     auth, tls = raw["auth"], raw["tls"]
     return Deployment(
@@ -621,41 +396,49 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: _Whe
     )
 
 
-def config_from_mapping(document: Any, source: str = "") -> Config:
-    """Validate a parsed YAML document (from `load_config` or built from flags)."""
-    _current_file[0] = source
+def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Section, ...] | None = None) -> Config:
+    """Validate a parsed YAML document (from `load_config` or built from flags).
+
+    `source` (the file name) rides along in every `Where`, so messages name the file without any
+    global state; `sections` defaults to `daemon_sections()` (tests pass their own).
+    """
+    extras = daemon_sections() if sections is None else sections
+    root = Where("", getattr(document, "line", 0), source)
     try:
-        top = section(TOP_LEVEL_KEYS)(document, _Where("", getattr(document, "line", 0)))
-    except _Bad as bad:
-        raise ConfigError(_message(_Where("", 1), str(bad))) from None
-    try:
-        defaults = top["defaults"] or section(DEFAULTS_KEYS)(None, _Where("defaults", 0))
-        raw_deployments = document["deployments"]
-        item_lines = getattr(raw_deployments, "item_lines", [0] * len(raw_deployments))
-        deployments = []
-        for index, raw in enumerate(top["deployments"]):
-            deployments.append(_build_deployment(raw, defaults, _Where("deployments", 0).child(index, item_lines[index])))
-        names = [d.name for d in deployments]
-        for index, name in enumerate(names):
-            if names.index(name) != index:
-                raise ConfigError(_message(_Where("deployments", 0).child(index, item_lines[index]).child("name", None),
-                                           f"deployment name {name!r} is used twice"))
-        alerting_raw = top["alerting"]
-        alerting = Alerting(
-            alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
-            timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
-        ) if alerting_raw else Alerting()
-        config = Config(
-            listen=top["listen"], poll_interval_seconds=top["poll_interval"], timeout_seconds=top["timeout"],
-            stale_after_seconds=top["stale_after"], max_response_bytes=int(top["max_response_bytes"]),
-            log_format=top["log_format"], deployments=tuple(deployments), alerting=alerting,
-            sections={name: top[name] for name in _EXTRA_SECTIONS}, source=source,
-        )
-        for check in _CONFIG_CHECKS:
-            check(config)
-        return config
-    finally:
-        _current_file[0] = ""
+        top = section(top_level_keys(extras))(document, root)
+    except Invalid as bad:
+        raise Where("", 1, source).error(str(bad)) from None
+    deployments = _build_deployments(document, top, Where("deployments", 0, source))
+    alerting_raw = top["alerting"]
+    alerting = Alerting(
+        alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
+        timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
+    ) if alerting_raw else Alerting()
+    config = Config(
+        listen=top["listen"], poll_interval_seconds=top["poll_interval"], timeout_seconds=top["timeout"],
+        stale_after_seconds=top["stale_after"], max_response_bytes=int(top["max_response_bytes"]),
+        log_format=top["log_format"], deployments=deployments, alerting=alerting,
+        sections={extra.name: top[extra.name] for extra in extras}, source=source,
+    )
+    for extra in extras:
+        if extra.config_check is not None:
+            extra.config_check(config)
+    return config
+
+
+def _build_deployments(document: Any, top: Mapping[str, Any], where: Where) -> tuple[Deployment, ...]:
+    """Every deployment resolved (model, GPU, calibration), each name used once."""
+    defaults = top["defaults"] or section(DEFAULTS_KEYS)(None, where.child("defaults", 0))
+    raw_deployments = document["deployments"]
+    item_lines = getattr(raw_deployments, "item_lines", [0] * len(raw_deployments))
+    deployments = [_build_deployment(raw, defaults, where.child(index, item_lines[index]))
+                   for index, raw in enumerate(top["deployments"])]
+    names = [d.name for d in deployments]
+    for index, name in enumerate(names):
+        if names.index(name) != index:
+            raise where.child(index, item_lines[index]).child("name", None).error(
+                f"deployment name {name!r} is used twice")
+    return tuple(deployments)
 
 
 def read_document(path: str) -> Any:
@@ -674,10 +457,15 @@ def read_document(path: str) -> Any:
         line = f"{mark.line + 1}:" if mark is not None else ""
         raise ConfigError(f"{path}:{line} not valid YAML: {getattr(error, 'problem', None) or error}") from None
     if document is None:
-        document = _LineDict()
+        document = empty_document()
     if not isinstance(document, dict):
         raise ConfigError(f"{path}:1: config: the file must hold a mapping of keys, got {type(document).__name__}")
     return document
+
+
+def empty_document() -> LineDict:
+    """A config document with no keys yet (flags fill it in when `serve` runs without a file)."""
+    return LineDict()
 
 
 def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> Config:
@@ -696,9 +484,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exporter.daemon import _load_optional_modules
-
-    _load_optional_modules()  # they register their sections (admission, pools) before the file is read
+    """Validate one file with the same schema `serve` uses; exit 2 (ConfigError) on the first problem."""
     config = load_config(args.file)
     print(f"{args.file}: ok: {config.summary()}")
     return 0

@@ -1,7 +1,7 @@
 """The daemon config's JSON schema, generated from config.py's key tables.
 
-`stepbudget check-config` validates a config with the key tables in exporter/config.py (and the
-sections other modules register there). The Helm chart checks `values.config` at `helm install`
+`stepbudget check-config` validates a config with the key tables in exporter/config.py (core keys
+plus the sections `config.daemon_sections()` lists). The Helm chart checks `values.config` at `helm install`
 time with a JSON schema; this module derives that schema from the same tables, so both refuse
 the same unknown keys, missing required keys and wrongly typed values. The chart's copy lives
 under `properties.config` of helm/stepbudget/values.schema.json, rewritten by
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from exporter import config
-from exporter.units import DURATION_PATTERN, _SIZE_UNITS
+from exporter.units import DURATION_PATTERN, SIZE_UNITS
 
 NUMBER_TEXT = r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$"
 
@@ -32,7 +32,7 @@ def _case_insensitive(unit: str) -> str:
 
 
 SIZE_PATTERN = (r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:"
-                + "|".join(_case_insensitive(u) for u in sorted(_SIZE_UNITS, key=len, reverse=True) if u)
+                + "|".join(_case_insensitive(u) for u in sorted(SIZE_UNITS, key=len, reverse=True) if u)
                 + r")?\s*$")
 
 _NON_EMPTY = {"type": "string", "pattern": r"\S"}
@@ -41,30 +41,31 @@ _SIZE = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string",
 _DURATION = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": DURATION_PATTERN}]}
 _URL = {"type": "string", "pattern": r"^\s*https?://"}
 
-# Each plain parser of config.py (and of the modules that register sections), by its qualified name.
+# Each plain validator of exporter/config_validators.py (and config.py's `listen_address`), by its
+# qualified name: all public, so this table names nothing private of another module.
 PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
-    "_string": _NON_EMPTY,
-    "_existing_file": _NON_EMPTY,  # existence is checked by check-config, where the file is
-    "_duration": _DURATION,
-    "_size": _SIZE,
-    "_bandwidth": _SIZE,
-    "_positive": _POSITIVE,
-    "_non_negative_seconds": {"anyOf": [{"type": "number", "minimum": 0},
-                                        {"type": "string", "pattern": DURATION_PATTERN}]},
-    "_ratio": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                         {"type": "string", "pattern": NUMBER_TEXT}]},
-    "_whole_positive": {"type": "integer", "minimum": 1},
-    "_whole_non_negative": {"type": "integer", "minimum": 0},
-    "_port": {"type": "integer", "minimum": 1, "maximum": 65535},
-    "_bool": {"type": "boolean"},
-    "_url": _URL,
-    "_url_path": {"type": "string", "pattern": r"^\s*/"},
-    "_url_list": {"anyOf": [_URL, {"type": "array", "minItems": 1, "items": _URL}]},
-    "_listen": {"type": ["string", "integer"]},
+    "string": _NON_EMPTY,
+    "existing_file": _NON_EMPTY,  # existence is checked by check-config, where the file is
+    "duration": _DURATION,
+    "size": _SIZE,
+    "bandwidth": _SIZE,
+    "positive": _POSITIVE,
+    "non_negative_seconds": {"anyOf": [{"type": "number", "minimum": 0},
+                                       {"type": "string", "pattern": DURATION_PATTERN}]},
+    "ratio": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                        {"type": "string", "pattern": NUMBER_TEXT}]},
+    "whole_positive": {"type": "integer", "minimum": 1},
+    "whole_non_negative": {"type": "integer", "minimum": 0},
+    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+    "boolean": {"type": "boolean"},
+    "url": _URL,
+    "url_path": {"type": "string", "pattern": r"^\s*/"},
+    "url_list": {"anyOf": [_URL, {"type": "array", "minItems": 1, "items": _URL}]},
+    "listen_address": {"type": ["string", "integer"]},
 }
 
 # Cross-key checks the schema does not express; check-config still runs them.
-CHECK_CONFIG_ONLY = {"_check_shard_section", "_check_admission_section", "_check_pools_section"}
+CHECK_CONFIG_ONLY = {"check_shard_section", "check_admission_section", "check_pools_section"}
 
 
 def _name(function: Callable[..., Any]) -> str:
@@ -74,9 +75,9 @@ def _name(function: Callable[..., Any]) -> str:
 def _check_schema(check: Callable[..., Any] | None) -> dict[str, Any]:
     if check is None or _name(check) in CHECK_CONFIG_ONLY:
         return {}
-    if _name(check) == "_targets_check":
+    if _name(check) == "targets_check":
         return {"anyOf": [{"required": [name]} for name in ("static", "dns", "kubernetes")]}
-    if _name(check) == "_one_of_keys":
+    if _name(check) == "one_of_keys":
         names = inspect.getclosurevars(check).nonlocals["names"]
         given = {"not": {"type": "null"}}
         pairs = [{"type": "object", "required": [a, b], "properties": {a: given, b: given}}
@@ -92,9 +93,9 @@ def parser_schema(parse: Callable[..., Any]) -> dict[str, Any]:
     if name in PARSER_SCHEMAS:
         return dict(PARSER_SCHEMAS[name])
     captured = inspect.getclosurevars(parse).nonlocals
-    if name == "_choice":
+    if name == "choice":
         return {"enum": list(captured["choices"])}
-    if name == "_list_of":
+    if name == "list_of":
         schema = {"type": "array", "items": parser_schema(captured["item"])}
         return {**schema, "minItems": 1} if captured["non_empty"] else schema
     if name == "section":
@@ -128,11 +129,8 @@ def table_schema(table: config.Table, check: Callable[..., Any] | None = None) -
 
 
 def config_schema() -> dict[str, Any]:
-    """The whole daemon config, with every optional section registered."""
-    from exporter.daemon import _load_optional_modules
-
-    _load_optional_modules()
-    return table_schema(config.TOP_LEVEL_KEYS)
+    """The whole daemon config: the core keys and every section `config.daemon_sections()` lists."""
+    return table_schema(config.top_level_keys())
 
 
 def chart_config_schema() -> dict[str, Any]:

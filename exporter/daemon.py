@@ -3,16 +3,14 @@
 Flags override config keys (and validate the same way); with `--target URL --model M --gpu G` the
 daemon runs without a file. SIGTERM and SIGINT stop it within a few seconds with exit code 0.
 
-Extension point: modules named in OPTIONAL_MODULES (admission, pools) are imported when
-present and call `register_extension(hook)`; each hook gets the running Daemon (config, poller,
-server with its route table) before polling starts.
+Optional features (admission) hook in through `extensions_for(config)`, the one list of what a
+config turns on besides polling: each hook gets the built Daemon (config, poller, server with its
+route table) before polling starts. Nothing is registered by importing a module.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import signal
 import threading
@@ -22,11 +20,11 @@ from typing import Any, Callable
 
 import structlog
 
-from exporter import __version__
+from exporter import __version__, admission
 from exporter.alerting import AlertLoop
 from exporter.collector import make_registry
 from exporter.config import (
-    LOG_FORMATS, Config, _LineDict, config_from_mapping, parse_listen, read_document,
+    LOG_FORMATS, Config, Deployment, config_from_mapping, empty_document, parse_listen, read_document,
 )
 from exporter.discovery import Discovery
 from exporter.errors import InputError
@@ -37,7 +35,6 @@ from exporter.sharding import ShardedDiscovery, parse_shard, shard_from_config, 
 
 log = structlog.get_logger("stepbudget.daemon")
 
-OPTIONAL_MODULES = ("exporter.admission", "exporter.pools")
 STOP_POLL_SECONDS = 0.2
 
 
@@ -50,13 +47,19 @@ class Daemon:
     fetcher: HttpFetcher
 
 
-Extension = Callable[[Daemon], None]
-_EXTENSIONS: list[Extension] = []
+Extension = Callable[[Daemon], object]
 
 
-def register_extension(hook: Extension) -> None:
-    """Called at import by an optional module; `hook(daemon)` runs before the first poll."""
-    _EXTENSIONS.append(hook)
+def extensions_for(config: Config) -> list[Extension]:
+    """The hooks this config turns on, run on the built Daemon before the first poll.
+
+    Listed here, in one place, so what runs follows from the config alone, not from which modules
+    happen to be imported. (Sharding is not a hook: it wraps discovery inside `build_daemon`.)
+    """
+    hooks: list[Extension] = []
+    if admission.admission_enabled(config):
+        hooks.append(admission.install)
+    return hooks
 
 
 # --- flags -----------------------------------------------------------------------------------------
@@ -96,8 +99,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.config:
         document = read_document(args.config)
     elif args.target:
-        document = _LineDict()
-        document.key_lines = {}
+        document = empty_document()
     else:
         raise InputError("give --config FILE, or --target URL with --model and --gpu")
     for flag, key in _TOP_LEVEL_FLAGS.items():
@@ -173,14 +175,7 @@ def _target_rows(poller: Poller) -> list[TargetRow]:
     return rows
 
 
-def _load_optional_modules() -> None:
-    for name in OPTIONAL_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
-
-
 def run(args: argparse.Namespace) -> int:
-    _load_optional_modules()  # before the config is read: they register its `admission`/`pools` sections
     config = config_from_args(args)
     configure_logging(config.log_format)
     stop = threading.Event()
@@ -195,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         daemon = build_daemon(config)
     except OSError as error:
         raise InputError(f"listen {config.listen}: cannot serve there: {error.strerror or error}") from None
-    for hook in _EXTENSIONS:
+    for hook in extensions_for(config):
         hook(daemon)
     daemon.server.start()
     log.info("started", version=__version__, listen=config.listen, port=daemon.server.port,
@@ -215,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(deployment: Any) -> dict[str, Any]:
+def _describe(deployment: Deployment) -> dict[str, Any]:
     sources: dict[str, Any] = {}
     if deployment.static_urls:
         sources["static"] = list(deployment.static_urls)

@@ -16,13 +16,16 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import structlog
 
-from exporter import config as config_module
-from exporter.discovery import Target
+from exporter.config_validators import REQUIRED, Invalid, Key, Section, Where, whole_non_negative, whole_positive
 from exporter.errors import InputError
+
+if TYPE_CHECKING:
+    from exporter.config import Config
+    from exporter.discovery import Target
 
 log = structlog.get_logger("stepbudget.sharding")
 
@@ -115,29 +118,24 @@ class ShardedDiscovery:
         return mine
 
 
-# --- config: the `shard` section (config.py's extension point) ----------------------------------
+# --- config: the `shard` section (listed by config.top_level_keys) --------------------------------
 
 
-def _whole_non_negative(value: Any, where: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise config_module._Bad(f"expected a whole number >= 0, got {value!r}")
-    return value
-
-
-def _check_shard_section(result: Mapping[str, Any], where: Any) -> None:
+def check_shard_section(result: Mapping[str, Any], where: Where) -> None:
+    """The index must name one of the shards: the schema alone cannot compare two keys."""
     if not 0 <= result["index"] < result["count"]:
-        raise config_module._Bad(f"index must satisfy 0 <= index < count, got index {result['index']}"
-                                 f" with count {result['count']} (indexes run 0..{result['count'] - 1})")
+        raise Invalid(f"index must satisfy 0 <= index < count, got index {result['index']}"
+                      f" with count {result['count']} (indexes run 0..{result['count'] - 1})")
 
 
-config_module.register_section("shard", {
-    "index": config_module.Key(_whole_non_negative, config_module.REQUIRED, "this replica's shard, 0..count-1"),
-    "count": config_module.Key(config_module._whole_positive, config_module.REQUIRED, "how many shards (replicas)"),
+SHARD_SECTION = Section("shard", {
+    "index": Key(whole_non_negative, REQUIRED, "this replica's shard, 0..count-1"),
+    "count": Key(whole_positive, REQUIRED, "how many shards (replicas)"),
 }, "poll only this replica's share of the targets (rendezvous hashing on the URL; docs/scaling.md)",
-    check=_check_shard_section)
+    check=check_shard_section)
 
 
-def shard_from_config(config: Any) -> Shard | None:
+def shard_from_config(config: Config) -> Shard | None:
     """The config's `shard` section as a Shard, or None when the daemon polls every target."""
     raw = config.sections.get("shard")
     if not raw:

@@ -8,7 +8,8 @@ from typing import Callable
 
 from exporter.errors import InputError
 
-_SIZE_UNITS: dict[str, int] = {
+# Public: the chart's JSON schema (config_schema.py) derives its size pattern from these units.
+SIZE_UNITS: dict[str, int] = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -45,7 +46,7 @@ def _parse_with_unit(text: str | int | float, units: dict[str, float] | dict[str
 
 def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
     """`80GB` -> 80e9, `4GiB` -> 4 * 2**30, `1e9` -> 1e9. Must be positive."""
-    return _parse_with_unit(text, _SIZE_UNITS, str.lower, what, "a size; use bytes or a unit such as 80GB or 4GiB")
+    return _parse_with_unit(text, SIZE_UNITS, str.lower, what, "a size; use bytes or a unit such as 80GB or 4GiB")
 
 
 def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import exporter.admission  # noqa: F401 - registers the sections, as the daemon's loader does
+import exporter.admission
 from exporter.cli import main
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "admission.yaml"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -14,9 +16,10 @@ import pytest
 
 from exporter import cli
 from exporter.config import (
-    DEFAULT_MAX_RESPONSE_BYTES, TOP_LEVEL_KEYS, ConfigError, _EXTRA_SECTIONS, Key, _string, load_config,
-    register_section,
+    DEFAULT_MAX_RESPONSE_BYTES, ConfigError, Key, Section, config_from_mapping, daemon_sections, load_config,
+    read_document, top_level_keys,
 )
+from exporter.config_validators import string
 from exporter.daemon import build_parser, config_from_args
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
@@ -278,16 +281,58 @@ def test_model_keys_reach_the_setup(tmp_path: Path) -> None:
 
 
 def test_extension_sections(tmp_path: Path) -> None:
-    """Other parts of the daemon add sections without editing config.py."""
-    register_section("sharding_test", {"index": Key(_string, "0", "this shard"), "of": Key(_string, "1", "shards")})
-    try:
-        config = load_config(str(write(tmp_path, "sharding_test: {index: '2', of: '3'}\n" + textwrap.dedent(MINIMAL))))
-        assert config.sections["sharding_test"] == {"index": "2", "of": "3"}
-        assert "sharding_test.whom: unknown key" in error_of(tmp_path, "sharding_test: {whom: x}\n" + textwrap.dedent(MINIMAL))
-        with pytest.raises(ValueError):
-            register_section("listen", {})
-    finally:
-        del TOP_LEVEL_KEYS["sharding_test"], _EXTRA_SECTIONS["sharding_test"]
+    """A feature declares its section with the public validators; the loader takes the list it is given."""
+    extra = Section("sharding_test", {"index": Key(string, "0", "this shard"), "of": Key(string, "1", "shards")})
+    path = write(tmp_path, "sharding_test: {index: '2', of: '3'}\n" + textwrap.dedent(MINIMAL))
+    config = config_from_mapping(read_document(str(path)), str(path), sections=(extra,))
+    assert config.sections["sharding_test"] == {"index": "2", "of": "3"}
+    bad = write(tmp_path, "sharding_test: {whom: x}\n" + textwrap.dedent(MINIMAL))
+    with pytest.raises(ConfigError, match=r"stepbudget.yaml:1: sharding_test.whom: unknown key"):
+        config_from_mapping(read_document(str(bad)), str(bad), sections=(extra,))
+    assert "sharding_test: unknown key" in error_of(tmp_path, "sharding_test: {index: '2'}\n" + textwrap.dedent(MINIMAL))
+    with pytest.raises(ValueError, match="listen"):
+        top_level_keys((Section("listen", {}),))
+
+
+def test_the_optional_sections_are_listed_in_one_place() -> None:
+    assert [extra.name for extra in daemon_sections()] == ["shard", "admission", "pools"]
+    assert set(top_level_keys()) >= {"listen", "deployments", "shard", "admission", "pools"}
+
+
+def _fresh_python(code: str) -> str:
+    """Run `code` in a new interpreter: which modules got imported is only visible from a clean start."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_check_config_does_not_import_the_daemon_stack(tmp_path: Path) -> None:
+    """`check-config` validates every section, yet never pays for (or depends on) the poller and server."""
+    path = write(tmp_path, "shard: {index: 0, count: 2}\npools: {short: chat, long: chat2, split_tokens: 8000}\n"
+                 + textwrap.dedent(MINIMAL) + "  - name: chat2\n    model: qwen3-8b\n    gpu: h100-sxm\n"
+                 "    targets: {static: [http://10.0.0.6:8000/metrics]}\n")
+    loaded = _fresh_python(f"""
+        import sys
+        from exporter import cli
+        assert cli.main(["check-config", {str(path)!r}]) == 0
+        print(" ".join(sorted(name for name in sys.modules if name.startswith("exporter"))))
+    """)
+    modules = set(loaded.splitlines()[-1].split())
+    assert "exporter.config" in modules
+    assert not modules & {"exporter.daemon", "exporter.poller", "exporter.server", "exporter.discovery",
+                          "exporter.alerting", "exporter.collector"}, modules
+
+
+def test_validity_does_not_depend_on_import_order() -> None:
+    """Importing the config alone knows every section: nothing is added by importing a feature."""
+    output = _fresh_python("""
+        from exporter.config import config_from_mapping
+        config = config_from_mapping({"shard": {"index": 1, "count": 3}, "deployments": [
+            {"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": ["http://a:8000/metrics"]}}]})
+        print(dict(config.sections["shard"]))
+    """)
+    assert output.strip() == "{'index': 1, 'count': 3}"
 
 
 def parse_serve(argv: list[str]) -> argparse.Namespace:

@@ -13,7 +13,6 @@ from jsonschema import Draft7Validator
 from exporter import config as config_module
 from exporter.config import ConfigError, config_from_mapping
 from exporter.config_schema import chart_config_schema, config_schema, parser_schema
-from exporter.daemon import _load_optional_modules
 from exporter.units import DURATION_PATTERN, parse_duration_seconds
 from exporter.errors import InputError
 
@@ -27,7 +26,6 @@ def test_chart_values_schema_config_is_generated_from_the_key_tables() -> None:
 
 
 def test_every_key_of_every_section_is_in_the_schema() -> None:
-    _load_optional_modules()
     schema = config_schema()
     assert set(schema["properties"]) == set(config_module.TOP_LEVEL_KEYS)
     deployment = schema["properties"]["deployments"]["items"]
@@ -81,7 +79,6 @@ DOCUMENTS = [
 
 @pytest.mark.parametrize(("document", "valid"), DOCUMENTS)
 def test_check_config_and_the_schema_agree(document: dict, valid: bool) -> None:
-    _load_optional_modules()
     schema_valid = Draft7Validator(config_schema()).is_valid(document)
     try:
         config_from_mapping(json.loads(json.dumps(document)))

@@ -1,0 +1,335 @@
+"""The vocabulary of the daemon config's key tables: `Key`, `Section`, `Where` and the value validators.
+
+Why a module of its own (and public): the config's optional sections (`shard` in sharding.py,
+`admission` and `pools` in admission.py) are declared next to their features with the same
+validators the core keys use. Those features must not import the config loader (the loader
+lists their sections, so that would be a cycle), nor reach into its private helpers. This module
+depends on nothing of the daemon, so every table can be written against it, and
+`exporter/config.py` assembles them all in one place (`config.top_level_keys`).
+
+A validator is a function `(value, where) -> parsed value` that raises `Invalid` with the problem
+only; `parse_at` (and `section`, `list_of` for nested values) turns that into a `ConfigError`
+reading `FILE:LINE: PATH: problem`. The file name travels in `Where.source`, so validating one
+file never depends on global state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from exporter.errors import InputError
+from exporter.suggest import close_names
+from exporter.units import parse_duration_seconds, parse_overhead_seconds, parse_size_bytes
+
+if TYPE_CHECKING:
+    from exporter.config import Config
+
+
+class ConfigError(InputError):
+    """A config problem: the message carries file, line and key path."""
+
+
+class Invalid(Exception):
+    """Raised by a validator with the problem alone; `parse_at` adds file, line and path."""
+
+
+class LineDict(dict[Any, Any]):
+    """A mapping that remembers the file line of itself and of each key (messages name the line)."""
+
+    def __init__(self, *args: Any, line: int = 0, key_lines: Mapping[Any, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.line = line
+        self.key_lines: dict[Any, int] = dict(key_lines or {})
+
+
+class LineList(list[Any]):
+    """A list that remembers the file line of itself and of each item."""
+
+    def __init__(self, items: Any = (), *, line: int = 0, item_lines: list[int] | None = None) -> None:
+        super().__init__(items)
+        self.line = line
+        self.item_lines: list[int] = list(item_lines or [])
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a value sits: its path like `deployments[1].targets`, its line and its file (may be empty)."""
+
+    path: str
+    line: int
+    source: str = ""
+
+    def child(self, name: str | int, line: int | None) -> Where:
+        if isinstance(name, int):
+            path = f"{self.path}[{name}]"
+        else:
+            path = f"{self.path}.{name}" if self.path else name
+        return replace(self, path=path, line=line or self.line)
+
+    def message(self, problem: str) -> str:
+        """`FILE:LINE: PATH: problem` (or `line N:` without a file, nothing without a line)."""
+        if self.source:
+            place = f"{self.source}:{self.line}: "
+        else:
+            place = f"line {self.line}: " if self.line else ""
+        return f"{place}{self.path or 'config'}: {problem}"
+
+    def error(self, problem: str) -> ConfigError:
+        return ConfigError(self.message(problem))
+
+
+Parser = Callable[[Any, Where], Any]
+SectionCheck = Callable[[dict[str, Any], Where], None]
+REQUIRED: Any = object()  # a Key's default meaning: the key must be given
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: how to read it, its default (REQUIRED: must be given), what it means."""
+
+    parse: Parser
+    default: Any = None
+    doc: str = ""
+
+
+Table = Mapping[str, Key]
+
+
+@dataclass(frozen=True)
+class Section:
+    """An optional top-level config section, declared by the feature that reads it.
+
+    `check` runs on the section's own parsed values; `config_check` runs on the whole built Config
+    (e.g. `pools` naming deployments that exist) and raises ConfigError naming the key.
+    """
+
+    name: str
+    table: Table
+    doc: str = ""
+    check: SectionCheck | None = None
+    config_check: Callable[[Config], None] | None = None
+
+    def key(self) -> Key:
+        return Key(section(self.table, check=self.check), None, self.doc)
+
+
+def parse_at(parser: Parser, value: Any, where: Where) -> Any:
+    """Run one validator; any problem becomes a ConfigError at `where`."""
+    try:
+        return parser(value, where)
+    except Invalid as bad:
+        raise where.error(str(bad)) from None
+    except ConfigError:
+        raise
+    except InputError as error:
+        raise where.error(str(error)) from None
+
+
+# --- scalar validators ---------------------------------------------------------------------------
+
+
+def string(value: Any, where: Where) -> str:
+    """A non-empty string, stripped."""
+    if not isinstance(value, str) or not value.strip():
+        raise Invalid(f"expected a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _with_unit(parse: Callable[[Any, str], float], value: Any) -> float:
+    """A units.py parser's value; its message, less the placeholder name, becomes the key's problem."""
+    try:
+        return parse(value, "value")
+    except InputError as error:
+        raise Invalid(str(error).removeprefix("value: ")) from None
+
+
+def duration(value: Any, where: Where) -> float:
+    """Seconds, or a duration such as `1m30s`; greater than zero."""
+    return _with_unit(parse_duration_seconds, value)
+
+
+def size(value: Any, where: Where) -> float:
+    """Bytes, or a size such as `80GB` or `4GiB`."""
+    return _with_unit(parse_size_bytes, value)
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads `8.0e9` and `2e12` as strings: accept plain numbers written so.
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise Invalid(f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise Invalid(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def positive(value: Any, where: Where) -> float:
+    """A finite number greater than zero."""
+    number = _number(value)
+    if not number > 0:
+        raise Invalid(f"must be greater than zero, got {value!r}")
+    return number
+
+
+def non_negative(value: Any, where: Where) -> float:
+    """A finite number, zero allowed."""
+    number = _number(value)
+    if number < 0:
+        raise Invalid(f"must not be negative, got {value!r}")
+    return number
+
+
+def non_negative_seconds(value: Any, where: Where) -> float:
+    """Seconds or a duration such as `2ms`; zero is allowed (a per-step overhead of none)."""
+    return _with_unit(parse_overhead_seconds, value)
+
+
+def ratio(value: Any, where: Where) -> float:
+    """A share in (0, 1]."""
+    number = _number(value)
+    if not 0 < number <= 1:
+        raise Invalid(f"must be a ratio in (0, 1], got {value!r}")
+    return number
+
+
+def whole_positive(value: Any, where: Where) -> int:
+    """A whole number >= 1 (a bool is not a number here, though Python says it is)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise Invalid(f"expected a whole number >= 1, got {value!r}")
+    return value
+
+
+def whole_non_negative(value: Any, where: Where) -> int:
+    """A whole number >= 0, e.g. an index."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Invalid(f"expected a whole number >= 0, got {value!r}")
+    return value
+
+
+def port(value: Any, where: Where) -> int:
+    """A TCP port, 1..65535."""
+    number = whole_positive(value, where)
+    if number > 65535:
+        raise Invalid(f"a port is at most 65535, got {value!r}")
+    return number
+
+
+def boolean(value: Any, where: Where) -> bool:
+    """`true` or `false` only: a string such as `"no"` is refused rather than guessed."""
+    if not isinstance(value, bool):
+        raise Invalid(f"expected true or false, got {value!r}")
+    return value
+
+
+def bandwidth(value: Any, where: Where) -> float:
+    """Bytes per second: a number, or a size such as `2TB` (read as per second)."""
+    return size(value, where)
+
+
+def choice(*choices: str) -> Parser:
+    """One of `choices`, case-insensitive; a near miss is named in the message."""
+
+    def parse(value: Any, where: Where) -> str:
+        text = string(value, where).lower()
+        if text not in choices:
+            raise Invalid(f"expected one of {', '.join(choices)}, got {value!r}{close_names(str(value), choices)}")
+        return text
+
+    return parse
+
+
+def url(value: Any, where: Where) -> str:
+    """An http:// or https:// URL; one trailing slash after a path is dropped."""
+    text = string(value, where)
+    if not text.startswith(("http://", "https://")):
+        raise Invalid(f"expected an http:// or https:// URL, got {value!r}")
+    return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
+
+
+def existing_file(value: Any, where: Where) -> str:
+    """A path to a file that exists now (so a typo fails at check-config, not at the first poll)."""
+    path = string(value, where)
+    if not os.path.isfile(path):
+        raise Invalid(f"file {path!r} does not exist")
+    return path
+
+
+def url_path(value: Any, where: Where) -> str:
+    """A URL path such as `/metrics`."""
+    text = string(value, where)
+    if not text.startswith("/"):
+        raise Invalid(f"a URL path starts with '/', got {value!r}")
+    return text
+
+
+# --- nested validators ---------------------------------------------------------------------------
+
+
+def list_of(item: Parser, *, non_empty: bool = True) -> Parser:
+    """A list whose every element `item` validates, each at its own line and index."""
+
+    def parse(value: Any, where: Where) -> list[Any]:
+        if not isinstance(value, list):
+            raise Invalid(f"expected a list, got {type(value).__name__} {value!r}")
+        if non_empty and not value:
+            raise Invalid("the list is empty")
+        lines = getattr(value, "item_lines", [where.line] * len(value))
+        return [parse_at(item, element, where.child(index, lines[index])) for index, element in enumerate(value)]
+
+    return parse
+
+
+def url_list(value: Any, where: Where) -> list[str]:
+    """One URL or a non-empty list of them."""
+    urls: list[str] = list_of(url)([value] if isinstance(value, str) else value, where)
+    return urls
+
+
+def section(table: Table, *, check: SectionCheck | None = None) -> Parser:
+    """A mapping validated against `table`: unknown keys are errors, defaults fill the rest."""
+
+    def parse(value: Any, where: Where) -> LineDict:
+        if value is None:
+            value = LineDict()
+        if not isinstance(value, dict):
+            raise Invalid(f"expected a mapping, got {type(value).__name__} {value!r}")
+        lines = getattr(value, "key_lines", {})
+        for name in value:
+            if name not in table:
+                problem = f"unknown key{close_names(str(name), table)}; known: {', '.join(table)}"
+                raise where.child(str(name), lines.get(name)).error(problem)
+        result = LineDict(line=where.line, key_lines=lines)
+        for name, key in table.items():
+            if name in value and value[name] is not None:
+                result[name] = parse_at(key.parse, value[name], where.child(name, lines.get(name)))
+            elif key.default is REQUIRED:
+                raise where.error(f"missing required key {name!r}")
+            else:
+                result[name] = key.default
+        if check is not None:
+            _run_check(check, result, where)
+        return result
+
+    return parse
+
+
+def _run_check(check: SectionCheck, result: dict[str, Any], where: Where) -> None:
+    try:
+        check(result, where)
+    except Invalid as bad:
+        raise where.error(str(bad)) from None
+
+
+def one_of_keys(*names: str) -> SectionCheck:
+    """A section check: at most one of `names` is given."""
+
+    def check(result: dict[str, Any], where: Where) -> None:
+        if sum(result[name] is not None for name in names) > 1:
+            raise Invalid(f"give at most one of {', '.join(names)}")
+
+    return check

@@ -1,0 +1,235 @@
+"""The shape of `exporter/`: no import cycle and no reach-ins to another module's `_private` names.
+
+Why: a cycle makes import order matter (a half-initialised module hands out missing names) and
+lets wiring happen as a side effect of imports; a reach-in couples two modules through a name
+one of them declared free to change. Both are invisible until they break, so these tests walk
+the source with `ast` instead of trusting review.
+
+What counts as an import: every `import` and `from ... import` in a module, at module level and
+inside functions and classes alike (a function-level import runs too, only later). Relative
+imports are resolved against the importing module's package; `from exporter.x import y` is an
+edge to `exporter.x.y` when that is a module, else to `exporter.x`. Imports under
+`if TYPE_CHECKING:` are left out of the cycle check: they never run, they only feed the type
+checker. Importing `exporter.a.b` first runs `exporter/a/__init__.py`, so that package is an
+edge too, except from modules inside `exporter.a` itself: while a package's `__init__` imports its
+own submodules, Python already holds the package, which is how packages are meant to work.
+
+What counts as a reach-in: `from exporter.x import _y` or `x._y` (with `x` bound to an exporter
+module) in any module other than `exporter.x` itself, dunders such as `__version__` excepted.
+A private submodule (`exporter.config._lines`) may be imported by the modules of its own
+package only: that is how a package keeps a private implementation file.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "exporter"
+
+
+@dataclass
+class ModuleInfo:
+    """One module of `exporter/`: its imports (edges) and the private names it takes from others."""
+
+    name: str
+    is_package: bool
+    imports: set[str] = field(default_factory=set)
+    reach_ins: list[str] = field(default_factory=list)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve_relative(importer: str, is_package: bool, module: str | None, level: int) -> str:
+    """`from ..x import y` inside `importer` -> the absolute module `x` names."""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join([*base, module] if module else base)
+
+
+def _private_module_allowed(importer: str, is_package: bool, target: str) -> bool:
+    """A private submodule may be imported from inside its own package only."""
+    parent = target.rpartition(".")[0]
+    own_package = importer if is_package else importer.rpartition(".")[0]
+    return own_package == parent or own_package.startswith(parent + ".")
+
+
+class _Walker(ast.NodeVisitor):
+    """Collects the imports and reach-ins of one module, skipping TYPE_CHECKING blocks for edges."""
+
+    def __init__(self, info: ModuleInfo, modules: set[str]) -> None:
+        self.info = info
+        self.modules = modules
+        self.aliases: dict[str, str] = {}  # local name -> exporter module it is bound to
+        self.type_checking_depth = 0
+
+    def _edge(self, target: str) -> None:
+        if self.type_checking_depth:
+            return
+        own_package = self.info.name if self.info.is_package else self.info.name.rpartition(".")[0]
+        parts = target.split(".")
+        for depth in range(1, len(parts) + 1):
+            module = ".".join(parts[:depth])
+            is_own_ancestor = own_package == module or own_package.startswith(module + ".")
+            if module in self.modules and module != self.info.name and (module == target or not is_own_ancestor):
+                self.info.imports.add(module)
+
+    def _check_private_module(self, target: str, line: int) -> None:
+        last = target.rpartition(".")[2]
+        if (target in self.modules and is_private(last)
+                and not _private_module_allowed(self.info.name, self.info.is_package, target)):
+            self.info.reach_ins.append(f"line {line}: imports private module {target}")
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            self.type_checking_depth += 1
+            for child in node.body:
+                self.visit(child)
+            self.type_checking_depth -= 1
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name.split(".")[0] != "exporter":
+                continue
+            self._edge(alias.name)
+            self._check_private_module(alias.name, node.lineno)
+            if alias.asname:
+                self.aliases[alias.asname] = alias.name
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        source = (_resolve_relative(self.info.name, self.info.is_package, node.module, node.level)
+                  if node.level else node.module or "")
+        if source.split(".")[0] != "exporter":
+            return
+        self._check_private_module(source, node.lineno)
+        for alias in node.names:
+            submodule = f"{source}.{alias.name}"
+            if submodule in self.modules:
+                self._edge(submodule)
+                self._check_private_module(submodule, node.lineno)
+                self.aliases[alias.asname or alias.name] = submodule
+                continue
+            self._edge(source)
+            if is_private(alias.name) and source != self.info.name:
+                self.info.reach_ins.append(f"line {node.lineno}: from {source} import {alias.name}")
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        owner = _dotted(node.value)
+        target = self.aliases.get(owner) if owner else None
+        if target is None and owner and owner.split(".")[0] == "exporter" and owner in self.modules:
+            target = owner
+        if target is not None and target != self.info.name and is_private(node.attr):
+            if f"{target}.{node.attr}" not in self.modules:
+                self.info.reach_ins.append(f"line {node.lineno}: {owner}.{node.attr} ({target})")
+        self.generic_visit(node)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else None
+    return None
+
+
+def analyse() -> dict[str, ModuleInfo]:
+    modules = all_modules()
+    names = set(modules)
+    infos = {}
+    for name, path in modules.items():
+        info = ModuleInfo(name, path.name == "__init__.py")
+        _Walker(info, names).visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        infos[name] = info
+    return infos
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a list of nodes (first == last), or None; iterative DFS, three colours."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path = [start]
+        stack = [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            child = next(stack[-1], None)
+            if child is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                return [*path[path.index(child):], child]
+            elif not state.get(child):
+                state[child] = 1
+                path.append(child)
+                stack.append(iter(sorted(graph.get(child, ()))))
+    return None
+
+
+def test_the_import_graph_of_exporter_has_no_cycle() -> None:
+    graph = {name: info.imports for name, info in analyse().items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_module_reaches_into_another_modules_private_names() -> None:
+    found = [f"{name}: {problem}" for name, info in analyse().items() for problem in info.reach_ins]
+    assert not found, "reach-ins to private names:\n" + "\n".join(found)
+
+
+# --- the walker itself, on made-up sources ---------------------------------------------------------
+
+
+def _walk(source: str, name: str = "exporter.a", *, modules: set[str] | None = None) -> ModuleInfo:
+    info = ModuleInfo(name, False)
+    known = modules or {"exporter", "exporter.a", "exporter.b", "exporter.pkg", "exporter.pkg.c", "exporter.pkg._d"}
+    _Walker(info, known).visit(ast.parse(source))
+    return info
+
+
+def test_the_walker_sees_function_level_relative_and_submodule_imports() -> None:
+    info = _walk("def f():\n    from exporter import b\nfrom .pkg import c\nimport exporter.pkg\n")
+    assert info.imports == {"exporter.b", "exporter.pkg.c", "exporter.pkg"}
+
+
+def test_importing_a_submodule_runs_its_package_first() -> None:
+    assert _walk("from exporter.pkg.c import thing\n").imports == {"exporter.pkg", "exporter.pkg.c"}
+    assert _walk("from exporter.pkg._d import thing\n", "exporter.pkg.c").imports == {"exporter.pkg._d"}
+
+
+def test_the_walker_skips_type_checking_imports_for_cycles() -> None:
+    assert _walk("if TYPE_CHECKING:\n    from exporter.b import Thing\n").imports == set()
+
+
+def test_the_walker_finds_reach_ins() -> None:
+    info = _walk("from exporter import b\nfrom exporter.pkg.c import _hidden\nb._secret\nb.__doc__\n"
+                 "import exporter.pkg._d\n")
+    assert len(info.reach_ins) == 3, info.reach_ins
+    assert _walk("from exporter.pkg import _d\n", "exporter.pkg.c").reach_ins == []
+
+
+def test_find_cycle_prints_the_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
