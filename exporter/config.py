@@ -40,14 +40,14 @@ from exporter.sharding import SHARD_SECTION
 # re-exported from config_validators so `from exporter.config import ConfigError` keeps working.
 __all__ = [
     "ALERTING_KEYS", "AUTH_KEYS", "CALIBRATION_NUMBERS", "CALIBRATION_REQUIRED_KEYS", "CORE_KEYS",
-    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "ENGINE_KINDS",
+    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "SERVER_KINDS",
     "KUBERNETES_KEYS", "LOG_FORMATS", "REQUIRED", "TARGETS_KEYS", "TLS_KEYS", "TOP_LEVEL_KEYS", "Alerting", "Auth",
     "Config", "ConfigError", "Deployment", "DnsTargets", "Key", "KubernetesTargets", "LineDict", "Section", "Table",
     "Tls", "Where", "build_parser", "config_from_mapping", "daemon_sections", "empty_document", "listen_address",
     "load_config", "parse_listen", "read_document", "run", "section", "targets_check", "top_level_keys",
 ]
 
-ENGINE_KINDS = ("auto", "vllm", "sglang", "tgi")
+SERVER_KINDS = ("auto", "vllm", "sglang", "tgi")  # the page format: a server's `kind`
 LOG_FORMATS = ("auto", "json", "console")
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20
 
@@ -134,7 +134,7 @@ DEPLOYMENT_KEYS: Table = {
     "calibration": Key(existing_file, None, "`stepbudget calibrate --json` output: sets bandwidth and overhead (source `calibrated`)"),
     "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
     "headroom": Key(ratio, None, "overrides defaults.headroom"),
-    "engine": Key(choice(*ENGINE_KINDS), "auto", "page format: auto, vllm, sglang, tgi"),
+    "kind": Key(choice(*SERVER_KINDS), "auto", "the servers' page format: auto, vllm, sglang, tgi"),
     "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
     "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
     "tls": Key(section(TLS_KEYS), None, "TLS settings for https targets"),
@@ -250,7 +250,7 @@ class Deployment:
     gpu: str
     tensor_parallel: int
     kv_cache_dtype: str
-    engine: str
+    kind: str  # the servers' page format: auto | vllm | sglang | tgi
     target_tokens_per_second: float
     headroom: float
     resolved: ResolvedSetup
@@ -384,7 +384,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
     auth, tls = raw["auth"], raw["tls"]
     return Deployment(
         name=raw["name"], model=raw["model"], gpu=raw["gpu"], tensor_parallel=raw["tensor_parallel"],
-        kv_cache_dtype=raw["kv_cache_dtype"], engine=raw["engine"],
+        kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"],
         target_tokens_per_second=raw["target_tokens_per_second"] or defaults["target_tokens_per_second"],
         headroom=raw["headroom"] or defaults["headroom"],
         resolved=resolved,

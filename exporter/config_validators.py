@@ -290,6 +290,12 @@ def url_list(value: Any, where: Where) -> list[str]:
     return urls
 
 
+# Keys that were renamed: a config still using the old name gets the new one, not "unknown key".
+RENAMED_KEYS = {"engine": "kind"}
+RENAME_REASONS = {"engine": "the server's page format (auto, vllm, sglang, tgi) is its `kind`; "
+                            "`engine` names only the engine index (a data-parallel rank)"}
+
+
 def section(table: Table, *, check: SectionCheck | None = None) -> Parser:
     """A mapping validated against `table`: unknown keys are errors, defaults fill the rest."""
 
@@ -301,7 +307,9 @@ def section(table: Table, *, check: SectionCheck | None = None) -> Parser:
         lines = getattr(value, "key_lines", {})
         for name in value:
             if name not in table:
-                problem = f"unknown key{close_names(str(name), table)}; known: {', '.join(table)}"
+                renamed = RENAMED_KEYS.get(str(name))
+                problem = (f"renamed to {renamed!r}: {RENAME_REASONS[str(name)]}" if renamed in table else
+                           f"unknown key{close_names(str(name), table)}; known: {', '.join(table)}")
                 raise where.child(str(name), lines.get(name)).error(problem)
         result = LineDict(line=where.line, key_lines=lines)
         for name, key in table.items():

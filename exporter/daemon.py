@@ -79,7 +79,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model preset or config.json for --target")
     parser.add_argument("--gpu", help="GPU preset for --target")
     parser.add_argument("--tensor-parallel", type=int, help="GPUs per replica for --target")
-    parser.add_argument("--engine", choices=("auto", "vllm", "sglang", "tgi"), help="page format for --target")
+    parser.add_argument("--kind", choices=("auto", "vllm", "sglang", "tgi"), help="the servers' page format for --target")
     parser.add_argument("--target-tps", type=float, help="per-user speed target for --target (default 50)")
     parser.add_argument("--alertmanager-url", action="append", metavar="URL", default=[],
                         help="Alertmanager to post alerts to (repeatable); overrides alerting.alertmanager_urls")
@@ -111,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise InputError("--target needs --model and --gpu (or put the deployment in --config)")
         deployment: dict[str, Any] = {"name": args.deployment, "model": args.model, "gpu": args.gpu,
                                       "targets": {"static": list(args.target)}}
-        for flag, key in (("tensor_parallel", "tensor_parallel"), ("engine", "engine"),
+        for flag, key in (("tensor_parallel", "tensor_parallel"), ("kind", "kind"),
                           ("target_tps", "target_tokens_per_second")):
             if getattr(args, flag) is not None:
                 deployment[key] = getattr(args, flag)
@@ -219,4 +219,4 @@ def _describe(deployment: Deployment) -> dict[str, Any]:
     if deployment.kubernetes:
         sources["kubernetes"] = f"{deployment.kubernetes.namespace}/{deployment.kubernetes.label_selector}"
     return {"name": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
-            "engine": deployment.engine, "bandwidth_source": deployment.resolved.bandwidth_source, **sources}
+            "kind": deployment.kind, "bandwidth_source": deployment.resolved.bandwidth_source, **sources}

@@ -425,7 +425,7 @@ class Poller:
             return self._failed(state, _reason(bearer_token), self._monotonic() - started)
         try:
             text = self._fetch(target.url, bearer_token=bearer_token, tls=deployment.tls)
-            page = self._read_page(text, deployment.engine)
+            page = self._read_page(text, deployment.kind)
         except Exception as error:  # noqa: BLE001 - FetchError, PageError, anything
             return self._failed(state, _reason(error), self._monotonic() - started)
         duration = self._monotonic() - started
@@ -454,7 +454,7 @@ class Poller:
         kind = getattr(page, "kind")
         target = state.target
         if kind != state.kind:
-            log.info("engine_detected", deployment=deployment.name, target=target.target, kind=kind,
+            log.info("kind_detected", deployment=deployment.name, target=target.target, kind=kind,
                      engines=[f"{s.model_name}/{s.engine}" for s in page.snapshots])  # type: ignore[attr-defined]
         if state.last_error is not None:
             log.info("target_up", deployment=deployment.name, target=target.target, after=state.last_error)

@@ -54,7 +54,7 @@ def test_defaults(tmp_path: Path) -> None:
     [deployment] = config.deployments
     assert (deployment.target_tokens_per_second, deployment.headroom) == (50, 0.9)
     assert deployment.step_budget_seconds == pytest.approx(0.9 / 50)
-    assert deployment.engine == "auto" and deployment.tensor_parallel == 1
+    assert deployment.kind == "auto" and deployment.tensor_parallel == 1
     assert deployment.resolved.bandwidth_source == "default"
     assert deployment.resolved.setup.effective_bandwidth_bytes_per_second == pytest.approx(0.6 * 3.35e12)
     assert config.alerting.alertmanager_urls == () and config.alerting.for_seconds is None
@@ -399,3 +399,14 @@ def test_every_config_key_is_documented() -> None:
               config.DNS_KEYS, config.KUBERNETES_KEYS, config.AUTH_KEYS, config.TLS_KEYS, config.ALERTING_KEYS]
     missing = sorted({name for table in tables for name in table if f"`{name}`" not in doc})
     assert not missing, f"keys missing from docs/operations.md: {missing}"
+
+
+def test_the_old_engine_key_names_its_new_name(tmp_path: Path) -> None:
+    """`engine` was the page format; it is now `kind` (`engine` is only the engine index)."""
+    path = tmp_path / "old.yaml"
+    path.write_text("deployments:\n  - name: chat\n    model: qwen3-8b\n    gpu: h100-sxm\n    engine: vllm\n"
+                    "    targets: {static: [http://127.0.0.1:8000/metrics]}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(str(path))
+    message = str(raised.value)
+    assert "engine" in message and "renamed to 'kind'" in message and ":5:" in message

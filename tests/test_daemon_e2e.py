@@ -132,7 +132,7 @@ def test_serve_polls_exports_and_stops_on_sigterm(page_server: PageServer, daemo
     assert code == 0
     started = next(line for line in logs if line["event"] == "started")
     assert started["listen"] == base[len("http://"):] and started["deployments"][0]["static"] == [page_server.url]
-    assert any(line["event"] == "engine_detected" and line["kind"] == "vllm" for line in logs)
+    assert any(line["event"] == "kind_detected" and line["kind"] == "vllm" for line in logs)
     assert logs[-1]["event"] == "stopped"
 
 

@@ -106,7 +106,7 @@ def _page_rule() -> dict[str, Any]:
 def _daemon_config(listen: str, simulator_urls: list[str], alertmanager_url: str) -> dict[str, Any]:
     return {
         "listen": listen, "poll_interval": INTERVAL, "timeout": INTERVAL, "stale_after": "60s", "log_format": "json",
-        "deployments": [{"name": DEPLOYMENT, "model": MODEL, "gpu": GPU, "engine": "vllm",
+        "deployments": [{"name": DEPLOYMENT, "model": MODEL, "gpu": GPU, "kind": "vllm",
                          "targets": {"static": [f"{url}/metrics" for url in simulator_urls]}}],
         "alerting": {"alertmanager_urls": [alertmanager_url], "for": SHORT_FOR},
     }

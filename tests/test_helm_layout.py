@@ -267,7 +267,7 @@ def _deployment(**overrides: object) -> dict:
     ({"config": {"deployments": [_deployment(targets={"kubernetes": {"label_selector": "app=vllm"}})]}},
      "'namespace'"),
     ({"config": {"deployments": [_deployment(gpu_memory_utilisation=0.9)]}}, "'gpu_memory_utilisation'"),
-    ({"config": {"deployments": [_deployment(engine="vllmm")]}}, "/config/deployments/0/engine"),
+    ({"config": {"deployments": [_deployment(kind="vllmm")]}}, "/config/deployments/0/kind"),
     ({"config": {"listen": ":1234", "deployments": [_deployment()]}}, "'listen'"),
     ({"securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
                           "capabilities": {"drop": ["ALL"]}, "runAsNonRot": True}}, "'runAsNonRot'"),

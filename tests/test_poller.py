@@ -325,7 +325,7 @@ def test_engine_detection_is_logged_once(page_server: PageServer, clock: ManualC
         poller.poll_once()
         clock.advance(15)
         poller.poll_once()
-    detected = [line for line in logs if line["event"] == "engine_detected"]
+    detected = [line for line in logs if line["event"] == "kind_detected"]
     assert len(detected) == 1 and detected[0]["kind"] == "vllm"
 
 

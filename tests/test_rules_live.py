@@ -26,7 +26,7 @@ from tests.tools import require_tool
 
 pytestmark = pytest.mark.e2e
 
-SERIES = {"deployment": "chat", "model_name": "qwen3-8b", "engine": "vllm"}
+SERIES = {"deployment": "chat", "model_name": "qwen3-8b", "engine": "0"}
 # Per target: over budget (a) and inside it (b). Exact binary fractions.
 TARGETS = {
     "a": {"stepbudget_predicted_step_seconds": 0.03125, "stepbudget_tokens_in_flight": 65536},

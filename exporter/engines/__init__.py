@@ -21,7 +21,7 @@ _ALL_WANTED = frozenset().union(*(adapter.wanted() for adapter in ADAPTERS.value
 
 @dataclass(frozen=True)
 class PageReading:
-    """What one page says: the engine kind, one Snapshot per engine, and page-level oddities."""
+    """What one page says: the server kind, one Snapshot per engine, and page-level oddities."""
 
     kind: str  # "vllm" | "sglang" | "tgi"
     snapshots: tuple[Snapshot, ...]
@@ -69,7 +69,7 @@ def _read(text: str | bytes, kind: str) -> PageReading:
     if not isinstance(text, str):
         raise PageError("not Prometheus text", f"got {type(text).__name__}, not text")
     if kind != "auto" and kind not in ADAPTERS:
-        raise PageError("unknown engine kind", f"{kind!r} (known: auto, {', '.join(ADAPTERS)})")
+        raise PageError("unknown server kind", f"{kind!r} (known: auto, {', '.join(ADAPTERS)})")
     scan = scan_page(text, ADAPTERS[kind].wanted() if kind != "auto" else _ALL_WANTED)
     if kind == "auto":
         adapter = _detect(scan)  # raises if no engine's families are on the page

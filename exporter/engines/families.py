@@ -265,7 +265,7 @@ def _only_engine_less(index: Index, spec: FamilySpec, name: str, who: Identity) 
 
 @dataclass(frozen=True)
 class Adapter:
-    """One engine kind: the families it reads, its labels, and its own finishing step."""
+    """One server kind: the families it reads, its labels, and its own finishing step."""
 
     kind: str
     specs: tuple[FamilySpec, ...]
