@@ -16,7 +16,8 @@ from typing import Iterable
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.tools import REPO
+
 RULES_DIR = REPO / "rules"
 ALERTS_FILE = RULES_DIR / "stepbudget.alerts.yaml"
 RECORDING_FILE = RULES_DIR / "stepbudget.rules.yaml"
