@@ -7,5 +7,5 @@
 - alertmanager: Alertmanager (a client of a real one) and its config
 - tools: REPO and require_tool (external tools the tests drive: promtool, helm, ...)
 - monitoring: shared checks for the rules, the dashboards and the chart's copies of both
-- e2e: the pieces of the end-to-end stack (tests/test_e2e_stack.py)
+- e2e: the pieces of the end-to-end stack and the quickstart checks (tests/test_e2e_stack.py)
 """
