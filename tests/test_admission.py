@@ -25,8 +25,8 @@ from exporter.admission import (
     measurements_from_readings,
 )
 from exporter.errors import InputError
-from tests.conftest import ManualClock
-from tests.tools import require_tool
+from tests.support.clocks import ManualClock
+from tests.support.tools import require_tool
 
 
 

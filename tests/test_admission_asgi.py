@@ -24,7 +24,7 @@ from starlette.routing import Route
 import exporter.admission as admission
 from exporter.admission_client import AdmissionClient
 from exporter.integrations.asgi import STATE_KEY, AdmissionMiddleware, estimate_prompt_tokens
-from tests.conftest import free_port
+from tests.support.servers import free_port
 from tests.test_admission_http import daemon_with_admission
 
 TOKEN = "gateway-token-456"

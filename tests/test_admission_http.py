@@ -31,7 +31,7 @@ from exporter.config import config_from_mapping
 from exporter.deployment import build_setup
 from exporter.presets import get_model_preset
 from exporter.simulator import ServerSpec, start_server
-from tests.conftest import free_port, wait_until
+from tests.support.servers import free_port, wait_until
 
 TOKEN = "gateway-token-123"
 TIMEOUT_SECONDS = 5.0

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from exporter.admission import Admission, AdmissionBook, AdmissionRequest, DeploymentPolicy
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 TARGETS = ("a:8000", "b:8000")
 TPS = 50.0

@@ -25,8 +25,10 @@ from exporter.config import Alerting
 from exporter.errors import InputError
 from exporter.reading import Reading
 from exporter.units import parse_duration_seconds
-from tests.conftest import Alertmanager, ManualClock, wait_until
-from tests.monitoring_support import ALERTS_FILE as RULES_FILE
+from tests.support.alertmanager import Alertmanager
+from tests.support.clocks import ManualClock
+from tests.support.monitoring import ALERTS_FILE as RULES_FILE
+from tests.support.servers import wait_until
 SERIES = {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0",
           "namespace": "llm", "pod": "vllm-0"}
 
@@ -265,7 +267,7 @@ def test_alertmanager_down_is_logged_never_fatal(clock: ManualClock) -> None:
 
 
 def test_real_post_to_an_unreachable_alertmanager_times_out_cleanly() -> None:
-    from tests.conftest import free_port
+    from tests.support.servers import free_port
 
     with pytest.raises(Exception):
         post_alerts(f"http://127.0.0.1:{free_port()}", [], 1.0)

@@ -3,7 +3,7 @@ the pages served and the model's inputs; plus the export's hygiene (no stale lab
 exported as NaN, labels exactly as DESIGN §3).
 
 The model servers are real HTTP servers on 127.0.0.1 serving vLLM V1 pages built from numbers
-(tests/conftest.py), and SGLang/TGI captures from tests/data.
+(tests/support/pages.py), and SGLang/TGI captures from tests/data.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from exporter.config import Config, config_from_mapping
 from exporter.discovery import Discovery
 from exporter.poller import Poller
 from exporter.presets import get_gpu, get_model_preset
-from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, vllm_page
+from tests.support.clocks import ManualClock
+from tests.support.pages import VllmState, vllm_page
+from tests.support.pollers import MakePoller
+from tests.support.servers import PageServer
 
 DATA = Path(__file__).parent / "data"
 

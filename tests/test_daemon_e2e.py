@@ -19,7 +19,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import PageServer, VllmState, free_port, send_text, vllm_page, wait_until
+from tests.support.pages import VllmState, vllm_page
+from tests.support.servers import PageServer, free_port, send_text, wait_until
 
 STEPBUDGET = Path(sys.executable).with_name("stepbudget")
 SHUTDOWN_SECONDS = 5

@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 
 from dashboards import build
-from tests.monitoring_support import REPO, known_metrics, metric_names, promtool_check_exprs
-from tests.tools import require_tool
+from tests.support.monitoring import REPO, known_metrics, metric_names, promtool_check_exprs
+from tests.support.tools import require_tool
 
 DASHBOARD_FILES = sorted((REPO / "dashboards").glob("*.json"))
 RUNBOOK = REPO / "docs" / "runbook.md"

@@ -17,7 +17,7 @@ import pytest
 
 from exporter.demo import free_port_from
 from exporter.simulator import AGENTS_JOIN_SECONDS
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 SPEED = 20.0  # the agents join 6 s of wall time after the pools start
 DURATION_SECONDS = 12

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 
 from exporter.config import config_from_mapping
 from exporter.discovery import Discovery, parse_label_selector, resolve_addresses, target_label
-from tests.conftest import PageServer, send_text
+from tests.support.servers import PageServer, send_text
 
 
 @pytest.fixture(autouse=True)

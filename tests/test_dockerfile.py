@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.monitoring_support import REPO
+from tests.support.monitoring import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"

@@ -36,19 +36,19 @@ import yaml
 
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS
 from exporter.units import parse_duration_seconds
-from tests.conftest import free_port
-from tests.e2e.stack import (
+from tests.support.e2e.quickstart import (
+    KUBE_PROMETHEUS_STACK_VALUES, OPERATOR_ALERT_RELABEL_CONFIGS, OPERATOR_EXTERNAL_LABELS, QUICKSTART,
+    STEPBUDGET_VALUES, heredoc, helm_set_flags, quickstart_alert_relabel_configs, values,
+)
+from tests.support.e2e.stack import (
     Deadline, DaemonHistory, ManagedProcess, PrometheusApi, RecordingServer, SeriesKey, alertmanager_alerts,
     alertmanager_config, compare_pages, copy_rules_with_for, describe, differences_besides_for, get_text,
     panels, parse_exposition, poll_times, posted_alerts, prometheus_config, rate_interval, resolve_variables,
     start_process, substitute, wait_for, webhook_alerts, write_yaml,
 )
-from tests.e2e.quickstart import (
-    KUBE_PROMETHEUS_STACK_VALUES, OPERATOR_ALERT_RELABEL_CONFIGS, OPERATOR_EXTERNAL_LABELS, QUICKSTART,
-    STEPBUDGET_VALUES, heredoc, helm_set_flags, quickstart_alert_relabel_configs, values,
-)
-from tests.monitoring_support import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO
-from tests.tools import require_tool
+from tests.support.monitoring import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO
+from tests.support.servers import free_port
+from tests.support.tools import require_tool
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """What real servers mean, beyond the genuine pages: the page's own KV dtype and block size, hybrid
 KV caches, estimated values marked, lasting page problems logged once, several API servers, and
-releases whose step histogram counts cache hits. Pages are vLLM's format (tests.conftest.vllm_page);
+releases whose step histogram counts cache hits. Pages are vLLM's format (tests.support.pages.vllm_page);
 every expected number is worked out here from the inputs.
 """
 
@@ -14,7 +14,10 @@ from exporter.config import Config, config_from_mapping
 from exporter.presets import get_model_preset
 from exporter.snapshot import Histogram, Snapshot
 from exporter.window import compute_window
-from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, vllm_page
+from tests.support.clocks import ManualClock
+from tests.support.pages import VllmState, vllm_page
+from tests.support.pollers import MakePoller
+from tests.support.servers import PageServer
 from tests.test_collector import scrape
 
 

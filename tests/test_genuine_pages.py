@@ -25,7 +25,9 @@ from exporter import model
 from exporter.config import Config, config_from_mapping
 from exporter.poller import Poller
 from exporter.reading import Reading
-from tests.conftest import MakePoller, ManualClock, PageServer
+from tests.support.clocks import ManualClock
+from tests.support.pollers import MakePoller
+from tests.support.servers import PageServer
 
 GENUINE = Path(__file__).parent / "data" / "genuine"
 PAIRS = sorted(path.name.removesuffix(".expected.json") for path in GENUINE.glob("*.expected.json"))
@@ -142,7 +144,7 @@ def _cumulative(tokens_per_step: list[float]) -> dict[float, float]:
 def test_bursty_prefill_predicts_the_mean_step(burst_share: float, page_server: PageServer, clock: ManualClock,
                                                make_poller: MakePoller) -> None:
     """40 chats of 2,000 tokens; a 2,048-token chunk rides in `burst_share` of 1,000 steps."""
-    from tests.conftest import VllmState, vllm_page
+    from tests.support.pages import VllmState, vllm_page
 
     running, context, chunk, steps = 40, 2000, 2048, 1000
     bursts = int(burst_share * steps)

@@ -20,8 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.monitoring_support import REPO, known_metrics, metric_names, promtool_check_exprs
-from tests.tools import require_tool
+from tests.support.monitoring import REPO, known_metrics, metric_names, promtool_check_exprs
+from tests.support.tools import require_tool
 
 CHART = REPO / "helm" / "stepbudget"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))

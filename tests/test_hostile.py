@@ -20,7 +20,7 @@ from exporter.config import Config, config_from_mapping
 from exporter.discovery import Discovery
 from exporter.poller import HttpFetcher, Poller
 from exporter.reading import Reading
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 TIMEOUT_SECONDS = 1.0
 # What a poll may take past its timeout: thread hand-offs and the watchdog's wake-up, on a busy CI box.

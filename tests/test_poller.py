@@ -22,7 +22,10 @@ from structlog.testing import capture_logs
 from exporter.config import Config, Tls, config_from_mapping
 from exporter.poller import FetchError, HttpFetcher
 from exporter.reading import Reading
-from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, free_port, send_text, vllm_page
+from tests.support.clocks import ManualClock
+from tests.support.pages import VllmState, vllm_page
+from tests.support.pollers import MakePoller
+from tests.support.servers import PageServer, free_port, send_text
 
 TRUNCATED_MARK = "vllm:inter_token_latency_seconds_bucket"
 

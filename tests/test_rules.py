@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.monitoring_support import (
+from tests.support.monitoring import (
     ALERTS_FILE,
     RECORDING_FILE,
     REPO,
@@ -23,7 +23,7 @@ from tests.monitoring_support import (
     metric_names,
     recorded_names,
 )
-from tests.tools import require_tool
+from tests.support.tools import require_tool
 
 RULE_TESTS = sorted((REPO / "tests" / "rules").glob("*_test.yaml"))
 RUNBOOK = REPO / "docs" / "runbook.md"

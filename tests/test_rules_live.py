@@ -20,9 +20,9 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import free_port, wait_until
-from tests.monitoring_support import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO, grafana_to_promql
-from tests.tools import require_tool
+from tests.support.monitoring import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO, grafana_to_promql
+from tests.support.servers import free_port, wait_until
+from tests.support.tools import require_tool
 
 pytestmark = pytest.mark.e2e
 

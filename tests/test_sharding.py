@@ -21,7 +21,7 @@ from exporter.discovery import Target, target_label
 from exporter.errors import InputError
 from exporter.sharding import Shard, ShardedDiscovery, keep_targets, parse_shard, shard_of
 from tests.test_config import MINIMAL, write
-from tests.tools import REPO, require_tool
+from tests.support.tools import REPO, require_tool
 
 CHART = REPO / "helm" / "stepbudget"
 

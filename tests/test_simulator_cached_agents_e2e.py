@@ -31,7 +31,8 @@ from exporter.alerting import PAGE_ALERT, AlertLoop
 from exporter.config import Config, config_from_mapping
 from exporter.reading import Reading
 from exporter.simulator import ServerHandle, ServerSpec, load_scenario, start_server
-from tests.conftest import MakePoller, ManualClock
+from tests.support.clocks import ManualClock
+from tests.support.pollers import MakePoller
 from tests.test_simulator_tracking import _calibration
 
 POLL_SECONDS = 15.0

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from exporter.engines import read_page
 from exporter.snapshot import Histogram, Snapshot
 from exporter.window import compute_window, histogram_quantile
-from tests.tools import require_tool
+from tests.support.tools import require_tool
 
 EDGES = ("0.01", "0.025", "0.05")
 

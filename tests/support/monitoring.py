@@ -16,7 +16,8 @@ from typing import Iterable
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.tools import REPO
+
 RULES_DIR = REPO / "rules"
 # The one source of the alert rules is the packaged file the daemon reads; rules/ holds a copy.
 ALERTS_FILE = REPO / "exporter" / "rules" / "stepbudget.alerts.yaml"

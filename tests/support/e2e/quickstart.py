@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO / "docs" / "quickstart-kubernetes.md"
 KUBE_PROMETHEUS_STACK_VALUES = "kube-prometheus-stack-values.yaml"
 STEPBUDGET_VALUES = "stepbudget-values.yaml"

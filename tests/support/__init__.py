@@ -1,0 +1,11 @@
+"""Helpers the tests import (conftest.py holds only fixtures, which may use these).
+
+- clocks: ManualClock (time moves when a test says so), SteppingClock (moves at every read)
+- servers: free_port, wait_until, send_text, PageServer (a real HTTP server on 127.0.0.1)
+- pages: VllmState and vllm_page, a vLLM V1 /metrics page builder
+- pollers: MakePoller, the type of the `make_poller` fixture
+- alertmanager: Alertmanager (a client of a real one) and its config
+- tools: REPO and require_tool (external tools the tests drive: promtool, helm, ...)
+- monitoring: shared checks for the rules, the dashboards and the chart's copies of both
+- e2e: the pieces of the end-to-end stack and the quickstart checks (tests/test_e2e_stack.py)
+"""

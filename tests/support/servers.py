@@ -1,0 +1,99 @@
+"""Free ports, waiting on real processes, and a real HTTP server on 127.0.0.1 answering what the test sets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+import pytest
+import requests
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], object], timeout_seconds: float = 10.0, interval_seconds: float = 0.05) -> object:
+    """Poll `condition` until it returns something truthy; fail the test after the timeout.
+
+    For waiting on real external processes (a server starting up), never for asserting speed.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            value = condition()
+        except (requests.RequestException, OSError):
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_seconds}s: {getattr(condition, '__name__', condition)}")
+        time.sleep(interval_seconds)
+
+
+Responder = Callable[[BaseHTTPRequestHandler], None]
+
+
+def send_text(handler: BaseHTTPRequestHandler, body: bytes | str, status: int = 200,
+              content_type: str = "text/plain; version=0.0.4") -> None:
+    data = body.encode() if isinstance(body, str) else body
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client hanging up early (what a size cap or a deadline does) is no error here."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
+class PageServer:
+    """A stdlib HTTP server on 127.0.0.1; `respond(handler)` (settable) answers every GET."""
+
+    def __init__(self) -> None:
+        self.respond: Responder = lambda handler: send_text(handler, "")
+        self.requests: list[dict[str, str]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802
+                server.requests.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+                try:
+                    server.respond(self)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass
+
+        self._httpd = _QuietServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}/metrics"
+
+    def serve_text(self, text: str | bytes, status: int = 200) -> None:
+        self.respond = lambda handler: send_text(handler, text, status)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
