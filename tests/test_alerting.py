@@ -107,12 +107,12 @@ def test_the_loop_raises_every_alert_of_the_rules_file_as_written_there() -> Non
 
 # What the loop rendered when the rules were a Python table: the same text, construct by construct.
 RENDERED = {
-    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) has "
+    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) has "
                          "been 25ms, over its step budget, for 5 minutes: the tokens in flight exceed the token "
                          "budget.",
-    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) "
+    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) "
                                             "has been 96.3% full (over 95%) for 10 minutes.",
-    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) preempted 1.234k "
+    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) preempted 1.234k "
                                        "requests in the last 5 minutes, and has kept preempting for 5 minutes.",
     ("StepBudgetTargetDown", 0.0): "stepbudget has failed to fetch or parse the metrics of 10.0.0.5:8000 (deployment "
                                    "chat, model Qwen/Qwen3-8B) for 5 minutes (stepbudget_target_up = 0).",
@@ -203,7 +203,7 @@ def test_pending_then_firing_after_for_with_exactly_the_rule_labels(clock: Manua
     assert seconds(posted["endsAt"]) == pytest.approx(clock.now + 4 * max(15, 60))
     assert posted["generatorURL"] == "http://stepbudget:9421/"
     assert posted["annotations"]["description"].startswith(
-        "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, 0) has been 25ms,")
+        "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) has been 25ms,")
     assert recorder.posts[0][0] == "http://am.invalid:9093" and recorder.posts[0][2] == 5.0
 
 
