@@ -109,10 +109,10 @@ def test_bytes_with_invalid_utf8_are_garbage_not_a_crash() -> None:
     assert caught.value.reason == "not Prometheus text"
 
 
-def test_unknown_engine_kind_is_a_page_error() -> None:
+def test_unknown_server_kind_is_a_page_error() -> None:
     with pytest.raises(PageError) as caught:
         read_page(REAL_PAGE, kind="trtllm")
-    assert caught.value.reason == "unknown engine kind"
+    assert caught.value.reason == "unknown server kind"
 
 
 def test_histogram_checks() -> None:
