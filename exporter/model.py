@@ -8,9 +8,12 @@ and all GPUs of the replica step together, so the per-GPU step time is the repli
 Physics (see docs/model.md and DESIGN §1):
   * A decode step produces one token for every running request. It reads the weights once for the
     whole batch (memory-bound) plus every running request's KV cache.
-  * step = overhead + max(t_memory, t_compute)
-      t_memory  = (weight bytes read + KV bytes read) / effective bandwidth
-      t_compute = 2 * active params * tokens in the step / effective compute
+  * A step runs its GEMMs and its attention as separate kernels, so the phases add up; they do not
+    overlap into one global max(memory, compute):
+      step        = overhead + per_request * running + t_gemm + t_attention
+      t_gemm      = max(weight bytes read / bandwidth, 2 * GEMM params * tokens in the step / compute)
+      t_attention = max(KV bytes read / bandwidth, attention FLOPs / compute)
+    Attention FLOPs matter only for prefill chunks, which attend to their whole context.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ DEFAULT_HEADROOM = 0.9
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.6
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 AGREEMENT_TOLERANCE = 0.15
+UNQUANTIZED_BYTES_PER_PARAM = 2.0  # quantized checkpoints keep embeddings, lm_head and norms in 16 bits
 _BUDGET_SEARCH_CEILING_TOKENS = 1e10
 
 
@@ -76,6 +80,13 @@ class Architecture:
     experts: int = 0
     experts_per_token: int = 0
     routed_expert_params: float = 0.0
+    # What the checkpoint says about its weights (0 / None: unknown, every parameter counts alike).
+    # input_embedding_params: the input-embedding table when it is not tied to lm_head: a step looks
+    # up one row per token instead of reading it. unquantized_params: parameters a quantized checkpoint
+    # keeps in 16 bits (embeddings, lm_head, norms). checkpoint_weight_dtype: from quantization_config.
+    input_embedding_params: float = 0.0
+    unquantized_params: float = 0.0
+    checkpoint_weight_dtype: str | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -130,6 +141,12 @@ def validate_architecture(arch: Architecture) -> None:
             raise InputError(f"{where}: experts_per_token must be between 1 and experts ({arch.experts})")
         if not 0 < arch.routed_expert_params < arch.params:
             raise InputError(f"{where}: routed_expert_params must be between 0 and params")
+    for name in ("input_embedding_params", "unquantized_params"):
+        value = getattr(arch, name)
+        if not (math.isfinite(value) and 0 <= value < arch.params):
+            raise InputError(f"{where}: {name} must be between 0 and params, got {value!r}")
+    if arch.input_embedding_params > arch.unquantized_params > 0:
+        raise InputError(f"{where}: unquantized_params must include the input embedding")
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,8 @@ class ServingSetup:
     weight_bytes_per_param: float = 2.0
     kv_bytes_per_element: float = 2.0
     step_overhead_seconds: float = 0.0
+    # Sampling and per-sequence bookkeeping, paid once per running request per step (0 unless fitted).
+    per_request_seconds: float = 0.0
     gpu_memory_utilization: float = 0.9
     reserved_memory_bytes: float = 0.0
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
@@ -164,6 +183,7 @@ class ServingSetup:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name, value in (("step_overhead_seconds", self.step_overhead_seconds),
+                            ("per_request_seconds", self.per_request_seconds),
                             ("reserved_memory_bytes", self.reserved_memory_bytes)):
             if not (math.isfinite(value) and value >= 0):
                 raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -187,16 +207,23 @@ class RequestGroup:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """The model's view of one decode step."""
+    """The model's view of one decode step, phase by phase.
+
+    Each phase takes the longer of its memory time and its compute time; phases run one after
+    the other, so the step is their sum plus the fixed and per-request costs.
+    """
 
     tokens_in_flight: float
     decode_tokens: float
     prefill_tokens: float
     weight_read_bytes: float
     kv_read_bytes: float
-    memory_seconds: float
-    compute_seconds: float
+    weight_memory_seconds: float
+    kv_memory_seconds: float
+    gemm_compute_seconds: float
+    attention_compute_seconds: float
     overhead_seconds: float
+    per_request_seconds: float = 0.0  # per-request cost times running requests
 
     @property
     def read_bytes(self) -> float:
@@ -207,8 +234,26 @@ class StepPrediction:
         return self.decode_tokens + self.prefill_tokens
 
     @property
+    def memory_seconds(self) -> float:
+        """All bytes read at the effective bandwidth (what a purely memory-bound step would take)."""
+        return self.weight_memory_seconds + self.kv_memory_seconds
+
+    @property
+    def compute_seconds(self) -> float:
+        """All FLOPs at the effective compute (what a purely compute-bound step would take)."""
+        return self.gemm_compute_seconds + self.attention_compute_seconds
+
+    @property
+    def gemm_seconds(self) -> float:
+        return max(self.weight_memory_seconds, self.gemm_compute_seconds)
+
+    @property
+    def attention_seconds(self) -> float:
+        return max(self.kv_memory_seconds, self.attention_compute_seconds)
+
+    @property
     def step_seconds(self) -> float:
-        return self.overhead_seconds + max(self.memory_seconds, self.compute_seconds)
+        return self.overhead_seconds + self.per_request_seconds + self.gemm_seconds + self.attention_seconds
 
     @property
     def user_tokens_per_second(self) -> float:
@@ -284,8 +329,24 @@ def kv_bytes_for_context(
 
 
 def weight_bytes(arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
-    """Weights resident on each GPU."""
-    return arch.params * weight_bytes_per_param / tensor_parallel
+    """Weights resident on each GPU. A quantized checkpoint keeps its unquantized parameters
+    (embeddings, lm_head, norms) in 16 bits; unknown (0) means every parameter at the given width."""
+    return _weight_bytes_of(arch.params, arch, weight_bytes_per_param, tensor_parallel)
+
+
+def _weight_bytes_of(params: float, arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int) -> float:
+    """Bytes of `params` parameters of `arch`, of which all its unquantized ones are 16-bit."""
+    if weight_bytes_per_param >= UNQUANTIZED_BYTES_PER_PARAM:
+        return params * weight_bytes_per_param / tensor_parallel
+    sixteen_bit = min(arch.unquantized_params, params)
+    return (sixteen_bit * UNQUANTIZED_BYTES_PER_PARAM + (params - sixteen_bit) * weight_bytes_per_param) / tensor_parallel
+
+
+def input_embedding_bytes(arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
+    """The untied input-embedding table on each GPU (16-bit when the checkpoint is quantized)."""
+    width = weight_bytes_per_param if weight_bytes_per_param >= UNQUANTIZED_BYTES_PER_PARAM or \
+        not arch.unquantized_params else UNQUANTIZED_BYTES_PER_PARAM
+    return arch.input_embedding_params * width / tensor_parallel
 
 
 def expected_distinct_experts(experts: int, experts_per_token: int, tokens: float) -> float:
@@ -301,24 +362,60 @@ def expected_distinct_experts(experts: int, experts_per_token: int, tokens: floa
 def weight_read_bytes(
     arch: Architecture, weight_bytes_per_param: float, tokens_in_step: float, tensor_parallel: int = 1
 ) -> float:
-    """Weight bytes one step reads: all of a dense model; shared weights plus touched experts of an MoE."""
+    """Weight bytes one step reads: all of a dense model, shared weights plus touched experts of an
+    MoE, less the input-embedding table, of which a step looks up one row per token."""
+    embedding = input_embedding_bytes(arch, weight_bytes_per_param, tensor_parallel)
+    rows = min(tokens_in_step, arch.input_embedding_params / arch.hidden_size) * arch.hidden_size
+    looked_up = embedding * rows / arch.input_embedding_params if arch.input_embedding_params else 0.0
     if not arch.is_moe:
-        return weight_bytes(arch, weight_bytes_per_param, tensor_parallel)
+        return weight_bytes(arch, weight_bytes_per_param, tensor_parallel) - embedding + looked_up
     shared = arch.params - arch.routed_expert_params
     touched = expected_distinct_experts(arch.experts, arch.experts_per_token, max(tokens_in_step, 1.0))
     routed_read = arch.routed_expert_params * touched / arch.experts
-    return (shared + routed_read) * weight_bytes_per_param / tensor_parallel
+    return (_weight_bytes_of(shared, arch, weight_bytes_per_param, tensor_parallel)
+            + routed_read * weight_bytes_per_param / tensor_parallel - embedding + looked_up)
+
+
+def gemm_flops(arch: Architecture, tokens_in_step: float, tensor_parallel: int = 1) -> float:
+    """2 FLOPs per weight per token through every matrix; an embedding lookup multiplies nothing."""
+    return 2.0 * (arch.active_params - arch.input_embedding_params) / tensor_parallel * tokens_in_step
+
+
+def attention_flops(arch: Architecture, attended_tokens: float, tensor_parallel: int = 1) -> float:
+    """QK^T and softmax·V: 2 + 2 FLOPs per query head dimension per attended token per layer.
+
+    `attended_tokens` is summed over the query tokens (a decode token attends to its context; a
+    prefill chunk of n tokens after P tokens attends to n·(P + n/2) in all, causally)."""
+    heads = arch.attention_heads / tensor_parallel
+    return 4.0 * arch.layers * heads * arch.head_dim * attended_tokens
+
+
+def _attended_tokens(arch: Architecture, context_tokens: float) -> float:
+    """Tokens one query at this context attends to, averaged over layers (sliding layers stop at the window)."""
+    windowed = min(context_tokens, arch.sliding_window or context_tokens)
+    return (arch.full_attention_layers * context_tokens + arch.sliding_window_layers * windowed) / arch.layers
+
+
+def prefill_attended_tokens(arch: Architecture, chunk_tokens: float, context_before_tokens: float) -> float:
+    """Sum over a chunk's tokens of what each attends to: the context before it plus the chunk so far."""
+    if chunk_tokens <= 0:
+        return 0.0
+    mean_context = context_before_tokens + chunk_tokens / 2.0
+    return chunk_tokens * _attended_tokens(arch, mean_context)
 
 
 # --- step time -------------------------------------------------------------------------------
 
 
 def predict_step(
-    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0
+    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0,
+    *, prefill_context_tokens: float = 0.0,
 ) -> StepPrediction:
-    """Predict one decode step for the running requests in `groups` plus a prefill chunk."""
-    if prefill_tokens_per_step < 0:
-        raise InputError(f"prefill tokens per step must not be negative, got {prefill_tokens_per_step!r}")
+    """Predict one decode step for the running requests in `groups` plus a prefill chunk of
+    `prefill_tokens_per_step` tokens that follows `prefill_context_tokens` tokens of its own prompt."""
+    if prefill_tokens_per_step < 0 or prefill_context_tokens < 0:
+        raise InputError(f"prefill tokens per step and their context must not be negative, got "
+                         f"{prefill_tokens_per_step!r} after {prefill_context_tokens!r}")
     arch, tp = setup.architecture, setup.tensor_parallel
     decode_tokens = float(sum(group.count for group in groups))
     tokens_in_step = decode_tokens + prefill_tokens_per_step
@@ -327,16 +424,21 @@ def predict_step(
         group.count * kv_bytes_for_context(arch, group.context_tokens, setup.kv_bytes_per_element, tp)
         for group in groups
     )
-    compute_flops = 2.0 * arch.active_params / tp * tokens_in_step
+    attended = sum(group.count * _attended_tokens(arch, group.context_tokens) for group in groups)
+    attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
+    compute = setup.effective_compute_flops_per_second
     return StepPrediction(
         tokens_in_flight=float(sum(group.tokens for group in groups)),
         decode_tokens=decode_tokens,
         prefill_tokens=float(prefill_tokens_per_step),
         weight_read_bytes=weights,
         kv_read_bytes=kv,
-        memory_seconds=(weights + kv) / setup.effective_bandwidth_bytes_per_second,
-        compute_seconds=compute_flops / setup.effective_compute_flops_per_second,
+        weight_memory_seconds=weights / setup.effective_bandwidth_bytes_per_second,
+        kv_memory_seconds=kv / setup.effective_bandwidth_bytes_per_second,
+        gemm_compute_seconds=gemm_flops(arch, tokens_in_step, tp) / compute,
+        attention_compute_seconds=attention_flops(arch, attended, tp) / compute,
         overhead_seconds=setup.step_overhead_seconds,
+        per_request_seconds=setup.per_request_seconds * decode_tokens,
     )
 
 
@@ -345,7 +447,7 @@ def predict_mean_step(
 ) -> float:
     """Mean step time over steps whose prefill tokens follow `prefill_mix` ((tokens, share) pairs).
 
-    A step is overhead + max(memory, compute): past the compute roof it grows with its tokens, so a
+    A step's GEMM phase is max(memory, compute): past the compute roof it grows with its tokens, so a
     few steps carrying big prefill chunks cost more than the same tokens spread evenly over every
     step. The mean of the steps is the mean ITL a server shows, not the step at the mean prefill.
     """
@@ -384,25 +486,31 @@ def token_budget_tokens(
 ) -> float:
     """The most tokens in flight whose predicted step fits `step_budget`; 0 if the model alone misses.
 
-    Plain models with no context given use the closed form
-    ((budget - overhead) * bandwidth - weights) / kv_bytes_per_token. With a context per request
-    (needed for sliding windows and MoE, where bytes are not linear in tokens) the budget is found
-    numerically, with requests of that context, and the compute term counts too.
+    Plain models with no per-request cost and no context given use the closed form
+    ((budget - overhead) * bandwidth - weights read) / kv_bytes_per_token (memory-bound GEMMs). With a
+    context per request (needed for sliding windows, MoE and a per-request cost, where the step is
+    not linear in tokens alone) the budget is found numerically, with requests of that context, and
+    every phase counts.
     """
     arch = setup.architecture
     if context_tokens_per_request is None:
-        if not arch.is_linear:
+        if not budget_has_closed_form(setup):
             raise InputError(
-                f"model {arch.name!r} has sliding-window layers or experts: its token budget depends on "
-                "the context per request; give one"
+                f"model {arch.name!r} has sliding-window layers, experts or a per-request cost: its token "
+                "budget depends on the context per request; give one"
             )
         usable_bytes = (step_budget - setup.step_overhead_seconds) * setup.effective_bandwidth_bytes_per_second
-        spare = usable_bytes - weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel)
+        spare = usable_bytes - weight_read_bytes(arch, setup.weight_bytes_per_param, 1.0, setup.tensor_parallel)
         per_token = kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel)
         return max(0.0, spare / per_token)
     if not context_tokens_per_request > 0:
         raise InputError(f"context per request must be greater than zero, got {context_tokens_per_request!r}")
     return _solve_budget_numerically(setup, step_budget, context_tokens_per_request)
+
+
+def budget_has_closed_form(setup: ServingSetup) -> bool:
+    """True when the step grows linearly with tokens in flight whatever their split into requests."""
+    return setup.architecture.is_linear and setup.per_request_seconds == 0
 
 
 def step_seconds_at(setup: ServingSetup, tokens_in_flight: float, context: float) -> float:
