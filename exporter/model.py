@@ -409,11 +409,15 @@ def prefill_attended_tokens(arch: Architecture, chunk_tokens: float, context_bef
 
 def predict_step(
     setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0,
-    *, prefill_context_tokens: float = 0.0,
+    *, prefill_context_tokens: float | None = None,
 ) -> StepPrediction:
     """Predict one decode step for the running requests in `groups` plus a prefill chunk of
-    `prefill_tokens_per_step` tokens that follows `prefill_context_tokens` tokens of its own prompt."""
-    if prefill_tokens_per_step < 0 or prefill_context_tokens < 0:
+    `prefill_tokens_per_step` tokens that follows `prefill_context_tokens` tokens of its own prompt.
+
+    With the chunk's context unknown (None: a server's counters give prefill tokens per step, not
+    how they split into chunks) its attention FLOPs are left out rather than guessed: taking a
+    window's prefill tokens as one causal chunk would count n²/2 pairs for what were many chunks."""
+    if prefill_tokens_per_step < 0 or (prefill_context_tokens or 0.0) < 0:
         raise InputError(f"prefill tokens per step and their context must not be negative, got "
                          f"{prefill_tokens_per_step!r} after {prefill_context_tokens!r}")
     arch, tp = setup.architecture, setup.tensor_parallel
@@ -425,7 +429,8 @@ def predict_step(
         for group in groups
     )
     attended = sum(group.count * _attended_tokens(arch, group.context_tokens) for group in groups)
-    attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
+    if prefill_context_tokens is not None:
+        attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
     compute = setup.effective_compute_flops_per_second
     return StepPrediction(
         tokens_in_flight=float(sum(group.tokens for group in groups)),

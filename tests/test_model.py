@@ -274,7 +274,8 @@ def test_step_is_overhead_plus_per_request_cost_plus_each_phase_at_its_own_roof(
     setup = replace(setup, per_request_seconds=50e-6)
     memory_bound = model.predict_step(setup, [RequestGroup(10, 1000)])
     assert memory_bound.step_seconds == pytest.approx(0.002 + 10 * 50e-6 + memory_bound.memory_seconds)
-    compute_bound = model.predict_step(setup, [RequestGroup(10, 1000)], prefill_tokens_per_step=8192)
+    compute_bound = model.predict_step(setup, [RequestGroup(10, 1000)], prefill_tokens_per_step=8192,
+                                       prefill_context_tokens=0)
     gemm_seconds = 2 * QWEN3_8B_PARAMS * (10 + 8192) / (0.5 * H100_BF16_DENSE_FLOPS)
     kv_seconds = 10 * 1000 * QWEN3_KV_BYTES_PER_TOKEN / EFFECTIVE_BANDWIDTH
     attention_seconds = 4 * 36 * 32 * 128 * (10 * 1000 + 8192 * 4096) / (0.5 * H100_BF16_DENSE_FLOPS)
