@@ -659,11 +659,15 @@ def max_concurrency(setup: ServingSetup, context_tokens: float) -> int:
 
 @dataclass(frozen=True)
 class CalibrationPoint:
-    """One stream alone: its inter-token latency, its context, and the bytes a step read at it."""
+    """One measured step: its inter-token latency, tokens in flight, the bytes a step read at it,
+    and (for batches) the running requests, the weight part of the bytes and the GEMM FLOPs."""
 
     itl_seconds: float
     tokens_in_flight: float
     read_bytes: float
+    running_requests: float = 1.0
+    weight_read_bytes: float = 0.0
+    gemm_flops: float = 0.0
 
     @property
     def bandwidth_bytes_per_second(self) -> float:
@@ -681,6 +685,9 @@ class Calibration:
     tolerance: float = AGREEMENT_TOLERANCE
     overhead_fitted: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    per_request_seconds: float = 0.0
+    per_request_fitted: bool = False
+    effective_compute_flops_per_second: float | None = None  # None: not fitted
 
     @property
     def agrees(self) -> bool:
@@ -691,62 +698,205 @@ class Calibration:
     def residual_ratios(self) -> tuple[float, ...]:
         return tuple((fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(self.points, self.fitted_seconds))
 
+    @property
+    def residual_rms_seconds(self) -> float:
+        """Root mean square of the fit's residuals: how far the fitted terms are from the points."""
+        squares = [(fit - p.itl_seconds) ** 2 for p, fit in zip(self.points, self.fitted_seconds)]
+        return math.sqrt(sum(squares) / len(squares))
+
+
+# Terms a calibration can fit besides the bandwidth, by the point column that carries each.
+_OVERHEAD, _PER_REQUEST = "overhead", "per_request"
+# Compute rates tried when the points allow a compute fit (FLOP/s): 1 TFLOP/s to 10 PFLOP/s.
+_COMPUTE_GRID_FLOPS = tuple(10 ** (12 + step / 20) for step in range(81))
+# A compute rate is kept only where it cuts the squared residuals by this share: it must earn its place.
+_COMPUTE_MIN_IMPROVEMENT = 0.5
+
 
 def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_TOLERANCE) -> Calibration:
-    """Fit effective bandwidth (and, with points at two or more sizes, a per-step overhead).
+    """Fit the step's terms to measured points, least squares.
 
-    itl = overhead + read_bytes / bandwidth, least squares. The agreement verdict compares the
-    points' own bandwidths (no overhead): a spread over `tolerance` means bytes read alone do not
-    explain the gaps (prefix caching, quantized cache, MoE routing, or large fixed overheads).
+    itl = overhead + per_request * running + read_bytes / bandwidth (+ the GEMM FLOPs beyond the
+    weight read, at a fitted compute rate, where the points allow it). Bandwidth is always fitted;
+    a per-request cost where the running requests differ; an overhead where the bytes differ and a
+    point is left over; compute where points are left over after those and it halves the residuals.
+    A term fitted negative is dropped with a note. The agreement verdict compares the points' own
+    bandwidths (no overhead): a spread over `tolerance` means bytes read alone do not explain the
+    gaps (prefix caching, quantized cache, MoE routing, or large fixed overheads).
     """
     points = tuple(points)
-    if not points:
-        raise InputError("calibration needs at least one point")
-    for point in points:
-        if not point.itl_seconds > 0 or not point.read_bytes > 0 or point.tokens_in_flight < 0:
-            raise InputError(
-                f"calibration point {point.itl_seconds}@{point.tokens_in_flight}: inter-token latency "
-                "must be greater than zero and tokens in flight not negative"
-            )
+    _validate_points(points)
     bandwidths = [point.bandwidth_bytes_per_second for point in points]
     spread = max(bandwidths) / min(bandwidths) - 1.0
     notes: list[str] = []
-    overhead, inverse_bandwidth, fitted = 0.0, None, False
-    if len({point.read_bytes for point in points}) >= 2:
-        overhead, inverse_bandwidth = _least_squares_line([p.read_bytes for p in points], [p.itl_seconds for p in points])
-        fitted = True
-        if inverse_bandwidth <= 0:
-            raise InputError(
-                "calibration points disagree: the inter-token latency does not grow with the context, "
-                "so these points cannot come from one stream of this model on one server"
-            )
-        if overhead < 0:
-            notes.append("the fit gave a negative per-step overhead; refitted through zero overhead")
-            overhead, inverse_bandwidth, fitted = 0.0, None, False
-    if inverse_bandwidth is None:
-        # Through the origin: minimise sum (t - b/bw)^2  =>  1/bw = sum(b·t) / sum(b²).
-        inverse_bandwidth = sum(p.read_bytes * p.itl_seconds for p in points) / sum(p.read_bytes**2 for p in points)
-    fitted_seconds = tuple(overhead + p.read_bytes * inverse_bandwidth for p in points)
+    terms = _identifiable_terms(points)
+    memory_notes: list[str] = []
+    coefficients = _fit_non_negative(points, terms, memory_notes, inverse_compute=0.0)
+    inverse_compute = _fit_compute(points, terms, coefficients) if len(points) > len(terms) + 1 else 0.0
+    if inverse_compute:  # compute-bound points distort a memory-only fit: refit every term with it
+        coefficients = _fit_non_negative(points, terms, notes, inverse_compute)
+    else:
+        notes += memory_notes
+    fitted_seconds = tuple(_fitted_seconds(p, coefficients, inverse_compute) for p in points)
     return Calibration(
-        effective_bandwidth_bytes_per_second=1.0 / inverse_bandwidth,
-        step_overhead_seconds=overhead,
+        effective_bandwidth_bytes_per_second=1.0 / coefficients["inverse_bandwidth"],
+        step_overhead_seconds=coefficients.get(_OVERHEAD, 0.0),
         points=points,
         fitted_seconds=fitted_seconds,
         spread_ratio=spread,
         tolerance=tolerance,
-        overhead_fitted=fitted,
+        overhead_fitted=_OVERHEAD in coefficients,
         notes=tuple(notes),
+        per_request_seconds=coefficients.get(_PER_REQUEST, 0.0),
+        per_request_fitted=_PER_REQUEST in coefficients,
+        effective_compute_flops_per_second=1.0 / inverse_compute if inverse_compute else None,
     )
 
 
-def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Intercept and slope of the ordinary least-squares line through (xs, ys)."""
-    count = len(xs)
-    mean_x, mean_y = sum(xs) / count, sum(ys) / count
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-    slope = sxy / sxx
-    return mean_y - slope * mean_x, slope
+def _validate_points(points: tuple[CalibrationPoint, ...]) -> None:
+    if not points:
+        raise InputError("calibration needs at least one point")
+    for point in points:
+        if not point.itl_seconds > 0 or not point.read_bytes > 0 or point.tokens_in_flight < 0 \
+                or not point.running_requests >= 1:
+            raise InputError(
+                f"calibration point {point.itl_seconds}@{point.tokens_in_flight}: inter-token latency "
+                "must be greater than zero, tokens in flight not negative and running requests at least 1"
+            )
+
+
+def _identifiable_terms(points: tuple[CalibrationPoint, ...]) -> list[str]:
+    """Which terms the points can tell apart from the bandwidth: one column each, one point each.
+
+    A per-request cost comes first where the batch sizes differ: it is what carries a fit from
+    small batches to large ones. Points at one batch size (one stream) leave it inside the overhead."""
+    terms: list[str] = []
+    if len({p.running_requests for p in points}) >= 2:
+        terms.append(_PER_REQUEST)
+    if len({p.read_bytes for p in points}) >= 2 and len(points) > len(terms) + 1:
+        terms.append(_OVERHEAD)
+    return terms
+
+
+def _column(point: CalibrationPoint, term: str) -> float:
+    return 1.0 if term == _OVERHEAD else point.running_requests
+
+
+def _fit_non_negative(points: tuple[CalibrationPoint, ...], terms: list[str], notes: list[str],
+                      inverse_compute: float) -> dict[str, float]:
+    """Least squares over bandwidth and `terms`; a negative term is dropped (noted) and the rest refitted."""
+    active = list(terms)
+    while True:
+        rows = [[p.read_bytes] + [_column(p, term) for term in active] for p in points]
+        try:
+            solution = _least_squares(rows, [p.itl_seconds for p in points])
+            for _ in range(4 if inverse_compute else 0):  # compute-bound points depend on the bandwidth
+                targets = [p.itl_seconds - _compute_excess_seconds(p, inverse_compute, solution[0]) for p in points]
+                solution = _least_squares(rows, targets)
+        except InputError:
+            if not active:
+                raise
+            notes.append(f"the points cannot tell a {active[-1].replace('_', '-')} cost from the others "
+                         "(e.g. one context per request at every batch size); refitted without it")
+            active.pop()
+            continue
+        if solution[0] <= 0:
+            raise InputError(
+                "calibration points disagree: the inter-token latency does not grow with the bytes read, "
+                "so these points cannot come from one model on one server"
+            )
+        negative = [(value, term) for value, term in zip(solution[1:], active) if value < 0]
+        if not negative:
+            return {"inverse_bandwidth": solution[0], **dict(zip(active, solution[1:]))}
+        dropped = min(negative)[1]
+        notes.append(f"the fit gave a negative {dropped.replace('_', '-')} cost; refitted without it")
+        active.remove(dropped)
+
+
+def _compute_excess_seconds(point: CalibrationPoint, inverse_compute: float, inverse_bandwidth: float | None) -> float:
+    """What the GEMMs add beyond reading the weights when they are compute-bound (0 when not)."""
+    if not inverse_compute or inverse_bandwidth is None:
+        return 0.0
+    return max(0.0, point.gemm_flops * inverse_compute - point.weight_read_bytes * inverse_bandwidth)
+
+
+def _fitted_seconds(point: CalibrationPoint, coefficients: dict[str, float], inverse_compute: float) -> float:
+    inverse_bandwidth = coefficients["inverse_bandwidth"]
+    linear = point.read_bytes * inverse_bandwidth + sum(
+        value * _column(point, term) for term, value in coefficients.items() if term != "inverse_bandwidth")
+    return linear + _compute_excess_seconds(point, inverse_compute, inverse_bandwidth)
+
+
+def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_fit: dict[str, float]) -> float:
+    """The inverse compute rate that best explains what the memory fit leaves, or 0 if none earns its place.
+
+    A 1-D search: for each rate the memory terms are refitted to what the compute excess leaves."""
+    if not all(p.gemm_flops > 0 and p.weight_read_bytes > 0 for p in points):
+        return 0.0
+    baseline = _squared_residuals(points, memory_fit, 0.0)
+    best, best_residuals = 0.0, baseline * (1.0 - _COMPUTE_MIN_IMPROVEMENT)
+    for flops in _COMPUTE_GRID_FLOPS:
+        inverse_compute = 1.0 / flops
+        coefficients = {"inverse_bandwidth": memory_fit["inverse_bandwidth"]}
+        for _ in range(3):  # which points are compute-bound depends on the bandwidth, and back
+            excess = [_compute_excess_seconds(p, inverse_compute, coefficients["inverse_bandwidth"]) for p in points]
+            rows = [[p.read_bytes] + [_column(p, term) for term in terms] for p in points]
+            try:
+                solution = _least_squares(rows, [p.itl_seconds - e for p, e in zip(points, excess)])
+            except InputError:
+                break
+            if solution[0] <= 0 or any(value < 0 for value in solution[1:]):
+                break
+            coefficients = {"inverse_bandwidth": solution[0], **dict(zip(terms, solution[1:]))}
+        if len(coefficients) != len(terms) + 1:
+            continue
+        residuals = _squared_residuals(points, coefficients, inverse_compute)
+        if residuals < best_residuals:
+            best, best_residuals = inverse_compute, residuals
+    return best
+
+
+def _squared_residuals(points: tuple[CalibrationPoint, ...], coefficients: dict[str, float], inverse_compute: float) -> float:
+    return sum((_fitted_seconds(p, coefficients, inverse_compute) - p.itl_seconds) ** 2 for p in points)
+
+
+def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Least-squares coefficients by the normal equations, columns scaled to 1 for conditioning."""
+    width = len(rows[0])
+    scales = [max(abs(row[j]) for row in rows) or 1.0 for j in range(width)]
+    scaled = [[row[j] / scales[j] for j in range(width)] for row in rows]
+    gram = [[sum(r[i] * r[j] for r in scaled) for j in range(width)] for i in range(width)]
+    moments = [sum(r[i] * t for r, t in zip(scaled, targets)) for i in range(width)]
+    return [value / scale for value, scale in zip(_solve(gram, moments), scales)]
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a singular system is an InputError."""
+    size = len(vector)
+    augmented = [row[:] + [value] for row, value in zip(matrix, vector)]
+    for column in range(size):
+        pivot = max(range(column, size), key=lambda r: abs(augmented[r][column]))
+        if abs(augmented[pivot][column]) < 1e-12:
+            raise InputError("calibration points do not tell the fitted terms apart; measure more varied points")
+        augmented[column], augmented[pivot] = augmented[pivot], augmented[column]
+        for row in range(column + 1, size):
+            factor = augmented[row][column] / augmented[column][column]
+            augmented[row] = [a - factor * b for a, b in zip(augmented[row], augmented[column])]
+    solution = [0.0] * size
+    for row in reversed(range(size)):
+        known = sum(augmented[row][k] * solution[k] for k in range(row + 1, size))
+        solution[row] = (augmented[row][size] - known) / augmented[row][row]
+    return solution
+
+
+def calibration_point(setup: ServingSetup, itl_seconds: float, tokens_in_flight: float,
+                      running_requests: float = 1.0) -> CalibrationPoint:
+    """A measured gap with what the model says the step did: bytes read (weights and all), GEMM FLOPs.
+
+    `tokens_in_flight` is shared by `running_requests` equal requests (one stream: its context)."""
+    step = predict_step(setup, groups_from_total(tokens_in_flight, running_requests))
+    return CalibrationPoint(itl_seconds, tokens_in_flight, step.read_bytes, max(1.0, running_requests),
+                            step.weight_read_bytes, step.gemm_compute_seconds * setup.effective_compute_flops_per_second)
 
 
 def single_stream_read_bytes(setup: ServingSetup, context_tokens: float) -> float:

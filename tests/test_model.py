@@ -410,3 +410,47 @@ def test_architecture_rejects_ssm_attention_kinds() -> None:
     with pytest.raises(InputError, match="not supported"):
         Architecture("x", layers=4, hidden_size=64, attention_heads=4, kv_heads=4, head_dim=16, params=1e6,
                      attention_kind="ssm")
+
+
+def test_calibration_at_two_batch_sizes_fits_bandwidth_and_a_per_request_cost() -> None:
+    setup = qwen3_setup()
+    bandwidth, per_request = 2.0e12, 80e-6
+    points = []
+    for running in (1, 16):
+        tokens = running * 2000.0
+        read = QWEN3_WEIGHT_BYTES + tokens * QWEN3_KV_BYTES_PER_TOKEN
+        points.append(model.calibration_point(setup, read / bandwidth + per_request * running, tokens, running))
+    result = model.calibrate(points)
+    assert result.per_request_fitted and not result.overhead_fitted
+    assert result.effective_bandwidth_bytes_per_second == pytest.approx(bandwidth, rel=1e-9)
+    assert result.per_request_seconds == pytest.approx(per_request, rel=1e-6)
+    assert result.effective_compute_flops_per_second is None
+    assert result.residual_rms_seconds == pytest.approx(0, abs=1e-12)
+
+
+def test_calibration_with_compute_bound_batches_fits_the_compute_rate() -> None:
+    """Six batches from 1 to 512 at several contexts on a server with a 1 ms overhead, 30 us per
+    request, 2.0 TB/s and 400 TFLOP/s: the large batches' GEMMs are compute-bound."""
+    setup = qwen3_setup()
+    bandwidth, compute, overhead, per_request = 2.0e12, 400e12, 1e-3, 30e-6
+    points = []
+    for running, context in ((1, 500), (8, 4000), (64, 1000), (128, 2000), (256, 700), (512, 1500)):
+        tokens = running * float(context)
+        weights_seconds = QWEN3_WEIGHT_BYTES / bandwidth
+        gemm_seconds = max(weights_seconds, 2 * QWEN3_8B_PARAMS * running / compute)
+        itl = overhead + per_request * running + gemm_seconds + tokens * QWEN3_KV_BYTES_PER_TOKEN / bandwidth
+        points.append(model.calibration_point(setup, itl, tokens, running))
+    result = model.calibrate(points)
+    assert result.per_request_fitted and result.overhead_fitted
+    assert result.effective_compute_flops_per_second is not None
+    assert result.effective_compute_flops_per_second == pytest.approx(compute, rel=0.06)  # the search grid's step
+    assert max(abs(r) for r in result.residual_ratios) < 0.03
+
+
+def test_one_context_at_every_batch_size_cannot_split_overhead_from_per_request_cost() -> None:
+    """read = weights + kv·c·N makes the overhead, per-request and bandwidth columns dependent."""
+    setup = qwen3_setup()
+    points = [model.calibration_point(setup, 0.008 + 100e-6 * n, n * 1000.0, n) for n in (1, 8, 64)]
+    result = model.calibrate(points)
+    assert result.per_request_fitted and not result.overhead_fitted
+    assert any("cannot tell" in note for note in result.notes)
