@@ -7,9 +7,11 @@ Two tables from shared/reference/validation/:
     InternLM-20B, batches 1-64, prompt/output lengths 1-2048, output tokens/s and p50 per-token latency.
 
 Method, per series (same model, hardware, GPU count, prompt and output lengths):
-  1. Calibrate the effective bandwidth on the smallest batch of the series: one point,
-     bandwidth = bytes one decode step reads / measured per-token time (exporter.model.calibrate).
-  2. Predict every larger batch with exporter.model and compare with the table.
+  1. Calibrate on the two smallest batches of the series (exporter.model.calibrate, least squares):
+     with two batch sizes the fit gives the effective bandwidth and a per-request cost (the step
+     model by phase: overhead + per-request cost x running + GEMM phase + attention phase).
+  2. Predict every larger batch with exporter.model and compare with the table; the two
+     calibration rows are not scored.
 
 Conversions and assumptions (also written into the results):
   * A static batch of B requests with prompt I and output O holds on average I + O/2 tokens per
@@ -36,7 +38,7 @@ import csv
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,6 +53,7 @@ DATABRICKS_TABLE = "databricks_blog_table2_mpt7b_static_batch_throughput.csv"
 LMDEPLOY_TABLE = "lmdeploy_turbomind_a100_static_inference.csv"
 ARCHITECTURES_TABLE = "model_architectures.csv"
 GPU_TABLE = "gpu_datasheet_peaks.csv"
+CALIBRATION_ROWS = 2  # each series is calibrated from its two smallest batches
 
 # Table names -> rows of model_architectures.csv and gpu_datasheet_peaks.csv.
 MODEL_ROWS = {"MPT-7B": "MPT-7B", "llama2-7b": "Llama-2-7B", "llama2-13b": "Llama-2-13B",
@@ -176,19 +179,22 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
     usable = sorted((r for r in rows if not r.excluded), key=lambda r: r.batch)
     if not usable:
         return []
-    smallest = usable[0]
-    probe = _setup(arch, peak, smallest.gpus, bandwidth=1.0)
-    read_bytes = model.predict_step(probe, [RequestGroup(smallest.batch, mean_context(smallest))]).read_bytes
-    calibration = model.calibrate([CalibrationPoint(smallest.measured_per_token_seconds,
-                                                    smallest.batch * mean_context(smallest), read_bytes)])
-    setup = _setup(arch, peak, smallest.gpus, calibration.effective_bandwidth_bytes_per_second)
+    calibration_rows = usable[:CALIBRATION_ROWS]
+    probe = _setup(arch, peak, usable[0].gpus, bandwidth=1.0)
+    calibration = model.calibrate([
+        model.calibration_point(probe, r.measured_per_token_seconds, r.batch * mean_context(r), r.batch)
+        for r in calibration_rows])
+    setup = replace(_setup(arch, peak, usable[0].gpus, calibration.effective_bandwidth_bytes_per_second),
+                    step_overhead_seconds=calibration.step_overhead_seconds,
+                    per_request_seconds=calibration.per_request_seconds)
     predictions = []
     for row in usable:
         step = model.predict_step(setup, [RequestGroup(row.batch, mean_context(row))]).step_seconds
         batch_seconds = prefill_seconds(setup, row.batch, row.prompt_tokens) + row.output_tokens * step
         per_second = row.batch / batch_seconds if row.source == "databricks" else row.batch * row.output_tokens / batch_seconds
         predictions.append(Prediction(row.series, row.batch, row.measured_per_token_seconds, step,
-                                      row.measured_throughput, per_second, row.throughput_unit, row is smallest,
+                                      row.measured_throughput, per_second, row.throughput_unit,
+                                      row in calibration_rows,
                                       setup.effective_bandwidth_bytes_per_second,
                                       setup.effective_bandwidth_bytes_per_second / peak[0]))
     return predictions
@@ -251,12 +257,12 @@ def write(predictions: list[Prediction], summaries: list[ErrorSummary], excluded
     method = doc[doc.index("Method"):doc.index("    .venv")].rstrip()
     lines = ["# Accuracy of the capacity model against published static-batch benchmarks", "",
              "Command: `make bench` (`.venv/bin/python benchmarks/accuracy.py`). Errors are (predicted - measured) / measured;",
-             "the calibration row of each series (its smallest batch) is not scored.", "", "```", method, "```", "",
+             "the two calibration rows of each series (its two smallest batches) are not scored.", "", "```", method, "```", "",
              "## Summary", "", "| scope | metric | n | median abs err | mean abs err | worst abs err (signed, batch) |",
              "|---|---|---:|---:|---:|---|"]
     lines += [f"| {s.scope} | {s.metric} | {s.count} | {s.median_abs_error_ratio:.1%} | {s.mean_abs_error_ratio:.1%} | "
               f"{s.worst_abs_error_ratio:.1%} ({s.worst_signed_error_ratio:+.1%}, B={s.worst_batch}) |" for s in summaries]
-    lines += ["", "## Calibrated bandwidth per series (from its smallest batch)", "",
+    lines += ["", "## Calibrated bandwidth per series (from its two smallest batches)", "",
               "| series | per GPU TB/s | of datasheet peak |", "|---|---:|---:|"]
     lines += [f"| {p.series} | {p.calibrated_bandwidth_bytes_per_second / 1e12:.3f} | {p.bandwidth_efficiency:.0%} |"
               for p in predictions if p.calibration_row]

@@ -164,10 +164,7 @@ def _is_token_chunk(payload: str, endpoint: str) -> bool:
 
 def points_from_measurements(setup: ServingSetup, measurements: Sequence[StreamMeasurement]) -> list[CalibrationPoint]:
     """One stream's tokens in flight is its context; the model says what a step read at it."""
-    return [
-        CalibrationPoint(m.itl_seconds, float(m.context_tokens), model.single_stream_read_bytes(setup, m.context_tokens))
-        for m in measurements
-    ]
+    return [model.calibration_point(setup, m.itl_seconds, float(m.context_tokens)) for m in measurements]
 
 
 def measure_contexts(
@@ -200,21 +197,22 @@ def calibrate_live(
 # --- offline points --------------------------------------------------------------------------
 
 
-def parse_itl_point(text: str) -> tuple[float, float]:
-    """`0.0082@2000` or `8.2ms@2000` -> (seconds, tokens in flight)."""
-    seconds_text, at, tokens_text = text.partition("@")
+def parse_itl_point(text: str) -> tuple[float, float, float]:
+    """`0.0082@2000` or `8.2ms@2000` -> (seconds, tokens in flight, 1 request); `0.012@32000x16`:
+    16 requests sharing 32,000 tokens in flight."""
+    seconds_text, at, load_text = text.partition("@")
     if not at:
-        raise InputError(f"--itl {text!r}: expected the form SECONDS@TOKENS_IN_FLIGHT, e.g. 0.0082@2000")
+        raise InputError(f"--itl {text!r}: expected the form SECONDS@TOKENS[xREQUESTS], e.g. 0.0082@2000 or 0.012@32000x16")
     seconds = parse_duration_seconds(seconds_text, f"--itl {text!r}")
-    return seconds, parse_positive_float(tokens_text, f"--itl {text!r} tokens")
+    tokens_text, times, requests_text = load_text.partition("x")
+    requests = parse_positive_float(requests_text, f"--itl {text!r} requests") if times else 1.0
+    if requests != int(requests):
+        raise InputError(f"--itl {text!r}: requests must be a whole number, got {requests_text!r}")
+    return seconds, parse_positive_float(tokens_text, f"--itl {text!r} tokens"), requests
 
 
 def offline_points(setup: ServingSetup, texts: Sequence[str]) -> list[CalibrationPoint]:
-    points = []
-    for text in texts:
-        seconds, tokens = parse_itl_point(text)
-        points.append(CalibrationPoint(seconds, tokens, model.single_stream_read_bytes(setup, tokens)))
-    return points
+    return [model.calibration_point(setup, *parse_itl_point(text)) for text in texts]
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -228,6 +226,7 @@ def calibration_to_json(resolved: ResolvedSetup, calibration: Calibration,
             zip(calibration.points, calibration.fitted_seconds, calibration.residual_ratios)):
         entry: dict[str, object] = {
             "itl_seconds": point.itl_seconds, "tokens_in_flight": point.tokens_in_flight,
+            "running_requests": point.running_requests,
             "read_bytes": point.read_bytes, "bandwidth_bytes_per_second": point.bandwidth_bytes_per_second,
             "fitted_seconds": fitted, "residual_ratio": residual,
         }
@@ -242,6 +241,9 @@ def calibration_to_json(resolved: ResolvedSetup, calibration: Calibration,
         "bandwidth_efficiency": calibration.effective_bandwidth_bytes_per_second / peak,
         "step_overhead_seconds": calibration.step_overhead_seconds,
         "overhead_fitted": calibration.overhead_fitted,
+        "per_request_seconds": calibration.per_request_seconds if calibration.per_request_fitted else None,
+        "effective_compute_flops_per_second": calibration.effective_compute_flops_per_second,
+        "residual_rms_seconds": calibration.residual_rms_seconds,
         "points": points,
         "agrees": calibration.agrees,
         "spread_ratio": calibration.spread_ratio,
@@ -272,10 +274,15 @@ def format_calibration(resolved: ResolvedSetup, calibration: Calibration) -> str
         lines.append(f"per-step overhead    {calibration.step_overhead_seconds * 1e3:,.3f} ms (least-squares fit)")
     else:
         lines.append("per-step overhead    not fitted (needs points at two or more contexts); taken as 0")
+    if calibration.per_request_fitted:
+        lines.append(f"per-request cost     {calibration.per_request_seconds * 1e6:,.2f} us per running request (fit)")
+    if calibration.effective_compute_flops_per_second is not None:
+        lines.append(f"effective compute    {calibration.effective_compute_flops_per_second / 1e12:,.1f} TFLOP/s per GPU (fit)")
+    lines.append(f"residuals            {calibration.residual_rms_seconds * 1e3:,.3f} ms root mean square")
     lines.append("points:")
     for point, fitted, residual in zip(calibration.points, calibration.fitted_seconds, calibration.residual_ratios):
         lines.append(
-            f"  {point.tokens_in_flight:>10,.0f} tokens  itl {point.itl_seconds * 1e3:8.3f} ms  "
+            f"  {point.tokens_in_flight:>10,.0f} tokens x{point.running_requests:<4.0f} itl {point.itl_seconds * 1e3:8.3f} ms  "
             f"reads {point.read_bytes / 1e9:8.3f} GB  -> {point.bandwidth_bytes_per_second / 1e12:6.3f} TB/s  "
             f"fit {fitted * 1e3:8.3f} ms  residual {residual:+.1%}"
         )
@@ -316,8 +323,11 @@ class _TerminalProgress:
 def build_parser(parser: argparse.ArgumentParser) -> None:
     add_setup_arguments(parser)
     source = parser.add_argument_group("measurements (give --itl or --url)")
-    source.add_argument("--itl", action="append", default=[], metavar="SECONDS@TOKENS_IN_FLIGHT",
-                        help="a lone stream's inter-token latency at its context, e.g. 0.0082@2000 (repeatable)")
+    source.add_argument("--itl", action="append", default=[], metavar="SECONDS@TOKENS[xREQUESTS]",
+                        help="a measured inter-token latency at TOKENS in flight, e.g. 0.0082@2000 (a lone stream at "
+                             "its context) or 0.012@32000x16 (16 running requests sharing 32,000 tokens); "
+                             "repeatable. Points at several batch sizes also fit a per-request cost, and with more "
+                             "points an overhead and a compute rate")
     source.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     source.add_argument("--short-context", default=str(DEFAULT_SHORT_CONTEXT_TOKENS), metavar="TOKENS",
                         help=f"context of the short request (default {DEFAULT_SHORT_CONTEXT_TOKENS})")

@@ -67,7 +67,7 @@ def build_setup(
     *,
     gpu_memory_bytes: float | None = None,
     tensor_parallel: int = 1,
-    weight_dtype: str = "bf16",
+    weight_dtype: str | None = None,
     kv_cache_dtype: str = "auto",
     gpu_memory_utilization: float = 0.9,
     reserved_memory_bytes: float = 0.0,
@@ -87,6 +87,8 @@ def build_setup(
     for name, value in (("bandwidth efficiency", bandwidth_efficiency), ("compute efficiency", compute_efficiency)):
         if not 0 < value <= 1:
             raise InputError(f"{name} must be in (0, 1], got {value!r}")
+    # None follows the checkpoint (quantization_config), else 16-bit.
+    weight_dtype = weight_dtype or architecture.checkpoint_weight_dtype or "bf16"
     weight_bytes_per_param = model.dtype_bytes(weight_dtype, "weight dtype")
     kv_bytes = model.dtype_bytes(kv_cache_dtype, "kv cache dtype")  # DTYPE_BYTES has "auto": 16-bit
     if bandwidth_bytes_per_second is None:

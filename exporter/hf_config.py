@@ -168,12 +168,37 @@ def _llama_like(config: _Config, name: str) -> Architecture:
     mlp_total, routed_total, experts_per_token = _llama_mlp_params(config, layers, hidden, experts)
     params = layers * per_layer + mlp_total + _embedding_params(config, vocab, hidden) + hidden
     window, sliding_layers = _sliding_layers(config, layers)
+    norms = layers * (4 if config.model_type in _FOUR_NORM_TYPES else 2) * hidden + hidden
+    input_table = 0 if config.get("tie_word_embeddings", False) else vocab * hidden
     return Architecture(
         name=name, layers=layers, hidden_size=hidden, attention_heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, params=float(params), sliding_window=window, sliding_window_layers=sliding_layers,
         experts=experts, experts_per_token=experts_per_token, routed_expert_params=float(routed_total),
+        input_embedding_params=float(input_table),
+        unquantized_params=float(_embedding_params(config, vocab, hidden) + norms),
+        checkpoint_weight_dtype=checkpoint_weight_dtype(config),
         source=f"{config.path} (parameters counted from the architecture)",
     )
+
+
+# quantization_config.quant_method -> the weight dtype vLLM loads; `bits` decides for the
+# integer methods (AWQ and GPTQ are 4-bit unless the config says 8).
+_QUANT_METHOD_DTYPES = {"fp8": "fp8", "fbgemm_fp8": "fp8", "compressed-tensors": None, "bitsandbytes": None}
+
+
+def checkpoint_weight_dtype(config: _Config) -> str | None:
+    """The weight dtype a quantized checkpoint stores, from `quantization_config`; None when the
+    config has none (16-bit) or a method whose width it does not state."""
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return None
+    method = str(quantization.get("quant_method", "")).lower()
+    bits = quantization.get("bits", quantization.get("w_bit"))
+    if method in _QUANT_METHOD_DTYPES and _QUANT_METHOD_DTYPES[method]:
+        return _QUANT_METHOD_DTYPES[method]
+    if bits in (4, 8):
+        return "int4" if bits == 4 else "int8"
+    return None
 
 
 def _gqa_attention_params(config: _Config, hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:

@@ -8,9 +8,12 @@ and all GPUs of the replica step together, so the per-GPU step time is the repli
 Physics (see docs/model.md and DESIGN §1):
   * A decode step produces one token for every running request. It reads the weights once for the
     whole batch (memory-bound) plus every running request's KV cache.
-  * step = overhead + max(t_memory, t_compute)
-      t_memory  = (weight bytes read + KV bytes read) / effective bandwidth
-      t_compute = 2 * active params * tokens in the step / effective compute
+  * A step runs its GEMMs and its attention as separate kernels, so the phases add up; they do not
+    overlap into one global max(memory, compute):
+      step        = overhead + per_request * running + t_gemm + t_attention
+      t_gemm      = max(weight bytes read / bandwidth, 2 * GEMM params * tokens in the step / compute)
+      t_attention = max(KV bytes read / bandwidth, attention FLOPs / compute)
+    Attention FLOPs matter only for prefill chunks, which attend to their whole context.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ DEFAULT_HEADROOM = 0.9
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.6
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 AGREEMENT_TOLERANCE = 0.15
+UNQUANTIZED_BYTES_PER_PARAM = 2.0  # quantized checkpoints keep embeddings, lm_head and norms in 16 bits
 _BUDGET_SEARCH_CEILING_TOKENS = 1e10
 
 
@@ -76,6 +80,13 @@ class Architecture:
     experts: int = 0
     experts_per_token: int = 0
     routed_expert_params: float = 0.0
+    # What the checkpoint says about its weights (0 / None: unknown, every parameter counts alike).
+    # input_embedding_params: the input-embedding table when it is not tied to lm_head: a step looks
+    # up one row per token instead of reading it. unquantized_params: parameters a quantized checkpoint
+    # keeps in 16 bits (embeddings, lm_head, norms). checkpoint_weight_dtype: from quantization_config.
+    input_embedding_params: float = 0.0
+    unquantized_params: float = 0.0
+    checkpoint_weight_dtype: str | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -130,6 +141,12 @@ def validate_architecture(arch: Architecture) -> None:
             raise InputError(f"{where}: experts_per_token must be between 1 and experts ({arch.experts})")
         if not 0 < arch.routed_expert_params < arch.params:
             raise InputError(f"{where}: routed_expert_params must be between 0 and params")
+    for name in ("input_embedding_params", "unquantized_params"):
+        value = getattr(arch, name)
+        if not (math.isfinite(value) and 0 <= value < arch.params):
+            raise InputError(f"{where}: {name} must be between 0 and params, got {value!r}")
+    if arch.input_embedding_params > arch.unquantized_params > 0:
+        raise InputError(f"{where}: unquantized_params must include the input embedding")
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,8 @@ class ServingSetup:
     weight_bytes_per_param: float = 2.0
     kv_bytes_per_element: float = 2.0
     step_overhead_seconds: float = 0.0
+    # Sampling and per-sequence bookkeeping, paid once per running request per step (0 unless fitted).
+    per_request_seconds: float = 0.0
     gpu_memory_utilization: float = 0.9
     reserved_memory_bytes: float = 0.0
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
@@ -164,6 +183,7 @@ class ServingSetup:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name, value in (("step_overhead_seconds", self.step_overhead_seconds),
+                            ("per_request_seconds", self.per_request_seconds),
                             ("reserved_memory_bytes", self.reserved_memory_bytes)):
             if not (math.isfinite(value) and value >= 0):
                 raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -187,16 +207,23 @@ class RequestGroup:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """The model's view of one decode step."""
+    """The model's view of one decode step, phase by phase.
+
+    Each phase takes the longer of its memory time and its compute time; phases run one after
+    the other, so the step is their sum plus the fixed and per-request costs.
+    """
 
     tokens_in_flight: float
     decode_tokens: float
     prefill_tokens: float
     weight_read_bytes: float
     kv_read_bytes: float
-    memory_seconds: float
-    compute_seconds: float
+    weight_memory_seconds: float
+    kv_memory_seconds: float
+    gemm_compute_seconds: float
+    attention_compute_seconds: float
     overhead_seconds: float
+    per_request_seconds: float = 0.0  # per-request cost times running requests
 
     @property
     def read_bytes(self) -> float:
@@ -207,8 +234,26 @@ class StepPrediction:
         return self.decode_tokens + self.prefill_tokens
 
     @property
+    def memory_seconds(self) -> float:
+        """All bytes read at the effective bandwidth (what a purely memory-bound step would take)."""
+        return self.weight_memory_seconds + self.kv_memory_seconds
+
+    @property
+    def compute_seconds(self) -> float:
+        """All FLOPs at the effective compute (what a purely compute-bound step would take)."""
+        return self.gemm_compute_seconds + self.attention_compute_seconds
+
+    @property
+    def gemm_seconds(self) -> float:
+        return max(self.weight_memory_seconds, self.gemm_compute_seconds)
+
+    @property
+    def attention_seconds(self) -> float:
+        return max(self.kv_memory_seconds, self.attention_compute_seconds)
+
+    @property
     def step_seconds(self) -> float:
-        return self.overhead_seconds + max(self.memory_seconds, self.compute_seconds)
+        return self.overhead_seconds + self.per_request_seconds + self.gemm_seconds + self.attention_seconds
 
     @property
     def user_tokens_per_second(self) -> float:
@@ -284,8 +329,24 @@ def kv_bytes_for_context(
 
 
 def weight_bytes(arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
-    """Weights resident on each GPU."""
-    return arch.params * weight_bytes_per_param / tensor_parallel
+    """Weights resident on each GPU. A quantized checkpoint keeps its unquantized parameters
+    (embeddings, lm_head, norms) in 16 bits; unknown (0) means every parameter at the given width."""
+    return _weight_bytes_of(arch.params, arch, weight_bytes_per_param, tensor_parallel)
+
+
+def _weight_bytes_of(params: float, arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int) -> float:
+    """Bytes of `params` parameters of `arch`, of which all its unquantized ones are 16-bit."""
+    if weight_bytes_per_param >= UNQUANTIZED_BYTES_PER_PARAM:
+        return params * weight_bytes_per_param / tensor_parallel
+    sixteen_bit = min(arch.unquantized_params, params)
+    return (sixteen_bit * UNQUANTIZED_BYTES_PER_PARAM + (params - sixteen_bit) * weight_bytes_per_param) / tensor_parallel
+
+
+def input_embedding_bytes(arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
+    """The untied input-embedding table on each GPU (16-bit when the checkpoint is quantized)."""
+    width = weight_bytes_per_param if weight_bytes_per_param >= UNQUANTIZED_BYTES_PER_PARAM or \
+        not arch.unquantized_params else UNQUANTIZED_BYTES_PER_PARAM
+    return arch.input_embedding_params * width / tensor_parallel
 
 
 def expected_distinct_experts(experts: int, experts_per_token: int, tokens: float) -> float:
@@ -301,24 +362,64 @@ def expected_distinct_experts(experts: int, experts_per_token: int, tokens: floa
 def weight_read_bytes(
     arch: Architecture, weight_bytes_per_param: float, tokens_in_step: float, tensor_parallel: int = 1
 ) -> float:
-    """Weight bytes one step reads: all of a dense model; shared weights plus touched experts of an MoE."""
+    """Weight bytes one step reads: all of a dense model, shared weights plus touched experts of an
+    MoE, less the input-embedding table, of which a step looks up one row per token."""
+    embedding = input_embedding_bytes(arch, weight_bytes_per_param, tensor_parallel)
+    rows = min(tokens_in_step, arch.input_embedding_params / arch.hidden_size) * arch.hidden_size
+    looked_up = embedding * rows / arch.input_embedding_params if arch.input_embedding_params else 0.0
     if not arch.is_moe:
-        return weight_bytes(arch, weight_bytes_per_param, tensor_parallel)
+        return weight_bytes(arch, weight_bytes_per_param, tensor_parallel) - embedding + looked_up
     shared = arch.params - arch.routed_expert_params
     touched = expected_distinct_experts(arch.experts, arch.experts_per_token, max(tokens_in_step, 1.0))
     routed_read = arch.routed_expert_params * touched / arch.experts
-    return (shared + routed_read) * weight_bytes_per_param / tensor_parallel
+    return (_weight_bytes_of(shared, arch, weight_bytes_per_param, tensor_parallel)
+            + routed_read * weight_bytes_per_param / tensor_parallel - embedding + looked_up)
+
+
+def gemm_flops(arch: Architecture, tokens_in_step: float, tensor_parallel: int = 1) -> float:
+    """2 FLOPs per weight per token through every matrix; an embedding lookup multiplies nothing."""
+    return 2.0 * (arch.active_params - arch.input_embedding_params) / tensor_parallel * tokens_in_step
+
+
+def attention_flops(arch: Architecture, attended_tokens: float, tensor_parallel: int = 1) -> float:
+    """QK^T and softmax·V: 2 + 2 FLOPs per query head dimension per attended token per layer.
+
+    `attended_tokens` is summed over the query tokens (a decode token attends to its context; a
+    prefill chunk of n tokens after P tokens attends to n·(P + n/2) in all, causally)."""
+    heads = arch.attention_heads / tensor_parallel
+    return 4.0 * arch.layers * heads * arch.head_dim * attended_tokens
+
+
+def _attended_tokens(arch: Architecture, context_tokens: float) -> float:
+    """Tokens one query at this context attends to, averaged over layers (sliding layers stop at the window)."""
+    windowed = min(context_tokens, arch.sliding_window or context_tokens)
+    return (arch.full_attention_layers * context_tokens + arch.sliding_window_layers * windowed) / arch.layers
+
+
+def prefill_attended_tokens(arch: Architecture, chunk_tokens: float, context_before_tokens: float) -> float:
+    """Sum over a chunk's tokens of what each attends to: the context before it plus the chunk so far."""
+    if chunk_tokens <= 0:
+        return 0.0
+    mean_context = context_before_tokens + chunk_tokens / 2.0
+    return chunk_tokens * _attended_tokens(arch, mean_context)
 
 
 # --- step time -------------------------------------------------------------------------------
 
 
 def predict_step(
-    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0
+    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0,
+    *, prefill_context_tokens: float | None = None,
 ) -> StepPrediction:
-    """Predict one decode step for the running requests in `groups` plus a prefill chunk."""
-    if prefill_tokens_per_step < 0:
-        raise InputError(f"prefill tokens per step must not be negative, got {prefill_tokens_per_step!r}")
+    """Predict one decode step for the running requests in `groups` plus a prefill chunk of
+    `prefill_tokens_per_step` tokens that follows `prefill_context_tokens` tokens of its own prompt.
+
+    With the chunk's context unknown (None: a server's counters give prefill tokens per step, not
+    how they split into chunks) its attention FLOPs are left out rather than guessed: taking a
+    window's prefill tokens as one causal chunk would count n²/2 pairs for what were many chunks."""
+    if prefill_tokens_per_step < 0 or (prefill_context_tokens or 0.0) < 0:
+        raise InputError(f"prefill tokens per step and their context must not be negative, got "
+                         f"{prefill_tokens_per_step!r} after {prefill_context_tokens!r}")
     arch, tp = setup.architecture, setup.tensor_parallel
     decode_tokens = float(sum(group.count for group in groups))
     tokens_in_step = decode_tokens + prefill_tokens_per_step
@@ -327,16 +428,22 @@ def predict_step(
         group.count * kv_bytes_for_context(arch, group.context_tokens, setup.kv_bytes_per_element, tp)
         for group in groups
     )
-    compute_flops = 2.0 * arch.active_params / tp * tokens_in_step
+    attended = sum(group.count * _attended_tokens(arch, group.context_tokens) for group in groups)
+    if prefill_context_tokens is not None:
+        attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
+    compute = setup.effective_compute_flops_per_second
     return StepPrediction(
         tokens_in_flight=float(sum(group.tokens for group in groups)),
         decode_tokens=decode_tokens,
         prefill_tokens=float(prefill_tokens_per_step),
         weight_read_bytes=weights,
         kv_read_bytes=kv,
-        memory_seconds=(weights + kv) / setup.effective_bandwidth_bytes_per_second,
-        compute_seconds=compute_flops / setup.effective_compute_flops_per_second,
+        weight_memory_seconds=weights / setup.effective_bandwidth_bytes_per_second,
+        kv_memory_seconds=kv / setup.effective_bandwidth_bytes_per_second,
+        gemm_compute_seconds=gemm_flops(arch, tokens_in_step, tp) / compute,
+        attention_compute_seconds=attention_flops(arch, attended, tp) / compute,
         overhead_seconds=setup.step_overhead_seconds,
+        per_request_seconds=setup.per_request_seconds * decode_tokens,
     )
 
 
@@ -345,7 +452,7 @@ def predict_mean_step(
 ) -> float:
     """Mean step time over steps whose prefill tokens follow `prefill_mix` ((tokens, share) pairs).
 
-    A step is overhead + max(memory, compute): past the compute roof it grows with its tokens, so a
+    A step's GEMM phase is max(memory, compute): past the compute roof it grows with its tokens, so a
     few steps carrying big prefill chunks cost more than the same tokens spread evenly over every
     step. The mean of the steps is the mean ITL a server shows, not the step at the mean prefill.
     """
@@ -384,25 +491,31 @@ def token_budget_tokens(
 ) -> float:
     """The most tokens in flight whose predicted step fits `step_budget`; 0 if the model alone misses.
 
-    Plain models with no context given use the closed form
-    ((budget - overhead) * bandwidth - weights) / kv_bytes_per_token. With a context per request
-    (needed for sliding windows and MoE, where bytes are not linear in tokens) the budget is found
-    numerically, with requests of that context, and the compute term counts too.
+    Plain models with no per-request cost and no context given use the closed form
+    ((budget - overhead) * bandwidth - weights read) / kv_bytes_per_token (memory-bound GEMMs). With a
+    context per request (needed for sliding windows, MoE and a per-request cost, where the step is
+    not linear in tokens alone) the budget is found numerically, with requests of that context, and
+    every phase counts.
     """
     arch = setup.architecture
     if context_tokens_per_request is None:
-        if not arch.is_linear:
+        if not budget_has_closed_form(setup):
             raise InputError(
-                f"model {arch.name!r} has sliding-window layers or experts: its token budget depends on "
-                "the context per request; give one"
+                f"model {arch.name!r} has sliding-window layers, experts or a per-request cost: its token "
+                "budget depends on the context per request; give one"
             )
         usable_bytes = (step_budget - setup.step_overhead_seconds) * setup.effective_bandwidth_bytes_per_second
-        spare = usable_bytes - weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel)
+        spare = usable_bytes - weight_read_bytes(arch, setup.weight_bytes_per_param, 1.0, setup.tensor_parallel)
         per_token = kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel)
         return max(0.0, spare / per_token)
     if not context_tokens_per_request > 0:
         raise InputError(f"context per request must be greater than zero, got {context_tokens_per_request!r}")
     return _solve_budget_numerically(setup, step_budget, context_tokens_per_request)
+
+
+def budget_has_closed_form(setup: ServingSetup) -> bool:
+    """True when the step grows linearly with tokens in flight whatever their split into requests."""
+    return setup.architecture.is_linear and setup.per_request_seconds == 0
 
 
 def step_seconds_at(setup: ServingSetup, tokens_in_flight: float, context: float) -> float:
@@ -546,11 +659,15 @@ def max_concurrency(setup: ServingSetup, context_tokens: float) -> int:
 
 @dataclass(frozen=True)
 class CalibrationPoint:
-    """One stream alone: its inter-token latency, its context, and the bytes a step read at it."""
+    """One measured step: its inter-token latency, tokens in flight, the bytes a step read at it,
+    and (for batches) the running requests, the weight part of the bytes and the GEMM FLOPs."""
 
     itl_seconds: float
     tokens_in_flight: float
     read_bytes: float
+    running_requests: float = 1.0
+    weight_read_bytes: float = 0.0
+    gemm_flops: float = 0.0
 
     @property
     def bandwidth_bytes_per_second(self) -> float:
@@ -568,6 +685,9 @@ class Calibration:
     tolerance: float = AGREEMENT_TOLERANCE
     overhead_fitted: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    per_request_seconds: float = 0.0
+    per_request_fitted: bool = False
+    effective_compute_flops_per_second: float | None = None  # None: not fitted
 
     @property
     def agrees(self) -> bool:
@@ -578,62 +698,205 @@ class Calibration:
     def residual_ratios(self) -> tuple[float, ...]:
         return tuple((fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(self.points, self.fitted_seconds))
 
+    @property
+    def residual_rms_seconds(self) -> float:
+        """Root mean square of the fit's residuals: how far the fitted terms are from the points."""
+        squares = [(fit - p.itl_seconds) ** 2 for p, fit in zip(self.points, self.fitted_seconds)]
+        return math.sqrt(sum(squares) / len(squares))
+
+
+# Terms a calibration can fit besides the bandwidth, by the point column that carries each.
+_OVERHEAD, _PER_REQUEST = "overhead", "per_request"
+# Compute rates tried when the points allow a compute fit (FLOP/s): 1 TFLOP/s to 10 PFLOP/s.
+_COMPUTE_GRID_FLOPS = tuple(10 ** (12 + step / 20) for step in range(81))
+# A compute rate is kept only where it cuts the squared residuals by this share: it must earn its place.
+_COMPUTE_MIN_IMPROVEMENT = 0.5
+
 
 def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_TOLERANCE) -> Calibration:
-    """Fit effective bandwidth (and, with points at two or more sizes, a per-step overhead).
+    """Fit the step's terms to measured points, least squares.
 
-    itl = overhead + read_bytes / bandwidth, least squares. The agreement verdict compares the
-    points' own bandwidths (no overhead): a spread over `tolerance` means bytes read alone do not
-    explain the gaps (prefix caching, quantized cache, MoE routing, or large fixed overheads).
+    itl = overhead + per_request * running + read_bytes / bandwidth (+ the GEMM FLOPs beyond the
+    weight read, at a fitted compute rate, where the points allow it). Bandwidth is always fitted;
+    a per-request cost where the running requests differ; an overhead where the bytes differ and a
+    point is left over; compute where points are left over after those and it halves the residuals.
+    A term fitted negative is dropped with a note. The agreement verdict compares the points' own
+    bandwidths (no overhead): a spread over `tolerance` means bytes read alone do not explain the
+    gaps (prefix caching, quantized cache, MoE routing, or large fixed overheads).
     """
     points = tuple(points)
-    if not points:
-        raise InputError("calibration needs at least one point")
-    for point in points:
-        if not point.itl_seconds > 0 or not point.read_bytes > 0 or point.tokens_in_flight < 0:
-            raise InputError(
-                f"calibration point {point.itl_seconds}@{point.tokens_in_flight}: inter-token latency "
-                "must be greater than zero and tokens in flight not negative"
-            )
+    _validate_points(points)
     bandwidths = [point.bandwidth_bytes_per_second for point in points]
     spread = max(bandwidths) / min(bandwidths) - 1.0
     notes: list[str] = []
-    overhead, inverse_bandwidth, fitted = 0.0, None, False
-    if len({point.read_bytes for point in points}) >= 2:
-        overhead, inverse_bandwidth = _least_squares_line([p.read_bytes for p in points], [p.itl_seconds for p in points])
-        fitted = True
-        if inverse_bandwidth <= 0:
-            raise InputError(
-                "calibration points disagree: the inter-token latency does not grow with the context, "
-                "so these points cannot come from one stream of this model on one server"
-            )
-        if overhead < 0:
-            notes.append("the fit gave a negative per-step overhead; refitted through zero overhead")
-            overhead, inverse_bandwidth, fitted = 0.0, None, False
-    if inverse_bandwidth is None:
-        # Through the origin: minimise sum (t - b/bw)^2  =>  1/bw = sum(b·t) / sum(b²).
-        inverse_bandwidth = sum(p.read_bytes * p.itl_seconds for p in points) / sum(p.read_bytes**2 for p in points)
-    fitted_seconds = tuple(overhead + p.read_bytes * inverse_bandwidth for p in points)
+    terms = _identifiable_terms(points)
+    memory_notes: list[str] = []
+    coefficients = _fit_non_negative(points, terms, memory_notes, inverse_compute=0.0)
+    inverse_compute = _fit_compute(points, terms, coefficients) if len(points) > len(terms) + 1 else 0.0
+    if inverse_compute:  # compute-bound points distort a memory-only fit: refit every term with it
+        coefficients = _fit_non_negative(points, terms, notes, inverse_compute)
+    else:
+        notes += memory_notes
+    fitted_seconds = tuple(_fitted_seconds(p, coefficients, inverse_compute) for p in points)
     return Calibration(
-        effective_bandwidth_bytes_per_second=1.0 / inverse_bandwidth,
-        step_overhead_seconds=overhead,
+        effective_bandwidth_bytes_per_second=1.0 / coefficients["inverse_bandwidth"],
+        step_overhead_seconds=coefficients.get(_OVERHEAD, 0.0),
         points=points,
         fitted_seconds=fitted_seconds,
         spread_ratio=spread,
         tolerance=tolerance,
-        overhead_fitted=fitted,
+        overhead_fitted=_OVERHEAD in coefficients,
         notes=tuple(notes),
+        per_request_seconds=coefficients.get(_PER_REQUEST, 0.0),
+        per_request_fitted=_PER_REQUEST in coefficients,
+        effective_compute_flops_per_second=1.0 / inverse_compute if inverse_compute else None,
     )
 
 
-def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Intercept and slope of the ordinary least-squares line through (xs, ys)."""
-    count = len(xs)
-    mean_x, mean_y = sum(xs) / count, sum(ys) / count
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-    slope = sxy / sxx
-    return mean_y - slope * mean_x, slope
+def _validate_points(points: tuple[CalibrationPoint, ...]) -> None:
+    if not points:
+        raise InputError("calibration needs at least one point")
+    for point in points:
+        if not point.itl_seconds > 0 or not point.read_bytes > 0 or point.tokens_in_flight < 0 \
+                or not point.running_requests >= 1:
+            raise InputError(
+                f"calibration point {point.itl_seconds}@{point.tokens_in_flight}: inter-token latency "
+                "must be greater than zero, tokens in flight not negative and running requests at least 1"
+            )
+
+
+def _identifiable_terms(points: tuple[CalibrationPoint, ...]) -> list[str]:
+    """Which terms the points can tell apart from the bandwidth: one column each, one point each.
+
+    A per-request cost comes first where the batch sizes differ: it is what carries a fit from
+    small batches to large ones. Points at one batch size (one stream) leave it inside the overhead."""
+    terms: list[str] = []
+    if len({p.running_requests for p in points}) >= 2:
+        terms.append(_PER_REQUEST)
+    if len({p.read_bytes for p in points}) >= 2 and len(points) > len(terms) + 1:
+        terms.append(_OVERHEAD)
+    return terms
+
+
+def _column(point: CalibrationPoint, term: str) -> float:
+    return 1.0 if term == _OVERHEAD else point.running_requests
+
+
+def _fit_non_negative(points: tuple[CalibrationPoint, ...], terms: list[str], notes: list[str],
+                      inverse_compute: float) -> dict[str, float]:
+    """Least squares over bandwidth and `terms`; a negative term is dropped (noted) and the rest refitted."""
+    active = list(terms)
+    while True:
+        rows = [[p.read_bytes] + [_column(p, term) for term in active] for p in points]
+        try:
+            solution = _least_squares(rows, [p.itl_seconds for p in points])
+            for _ in range(4 if inverse_compute else 0):  # compute-bound points depend on the bandwidth
+                targets = [p.itl_seconds - _compute_excess_seconds(p, inverse_compute, solution[0]) for p in points]
+                solution = _least_squares(rows, targets)
+        except InputError:
+            if not active:
+                raise
+            notes.append(f"the points cannot tell a {active[-1].replace('_', '-')} cost from the others "
+                         "(e.g. one context per request at every batch size); refitted without it")
+            active.pop()
+            continue
+        if solution[0] <= 0:
+            raise InputError(
+                "calibration points disagree: the inter-token latency does not grow with the bytes read, "
+                "so these points cannot come from one model on one server"
+            )
+        negative = [(value, term) for value, term in zip(solution[1:], active) if value < 0]
+        if not negative:
+            return {"inverse_bandwidth": solution[0], **dict(zip(active, solution[1:]))}
+        dropped = min(negative)[1]
+        notes.append(f"the fit gave a negative {dropped.replace('_', '-')} cost; refitted without it")
+        active.remove(dropped)
+
+
+def _compute_excess_seconds(point: CalibrationPoint, inverse_compute: float, inverse_bandwidth: float | None) -> float:
+    """What the GEMMs add beyond reading the weights when they are compute-bound (0 when not)."""
+    if not inverse_compute or inverse_bandwidth is None:
+        return 0.0
+    return max(0.0, point.gemm_flops * inverse_compute - point.weight_read_bytes * inverse_bandwidth)
+
+
+def _fitted_seconds(point: CalibrationPoint, coefficients: dict[str, float], inverse_compute: float) -> float:
+    inverse_bandwidth = coefficients["inverse_bandwidth"]
+    linear = point.read_bytes * inverse_bandwidth + sum(
+        value * _column(point, term) for term, value in coefficients.items() if term != "inverse_bandwidth")
+    return linear + _compute_excess_seconds(point, inverse_compute, inverse_bandwidth)
+
+
+def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_fit: dict[str, float]) -> float:
+    """The inverse compute rate that best explains what the memory fit leaves, or 0 if none earns its place.
+
+    A 1-D search: for each rate the memory terms are refitted to what the compute excess leaves."""
+    if not all(p.gemm_flops > 0 and p.weight_read_bytes > 0 for p in points):
+        return 0.0
+    baseline = _squared_residuals(points, memory_fit, 0.0)
+    best, best_residuals = 0.0, baseline * (1.0 - _COMPUTE_MIN_IMPROVEMENT)
+    for flops in _COMPUTE_GRID_FLOPS:
+        inverse_compute = 1.0 / flops
+        coefficients = {"inverse_bandwidth": memory_fit["inverse_bandwidth"]}
+        for _ in range(3):  # which points are compute-bound depends on the bandwidth, and back
+            excess = [_compute_excess_seconds(p, inverse_compute, coefficients["inverse_bandwidth"]) for p in points]
+            rows = [[p.read_bytes] + [_column(p, term) for term in terms] for p in points]
+            try:
+                solution = _least_squares(rows, [p.itl_seconds - e for p, e in zip(points, excess)])
+            except InputError:
+                break
+            if solution[0] <= 0 or any(value < 0 for value in solution[1:]):
+                break
+            coefficients = {"inverse_bandwidth": solution[0], **dict(zip(terms, solution[1:]))}
+        if len(coefficients) != len(terms) + 1:
+            continue
+        residuals = _squared_residuals(points, coefficients, inverse_compute)
+        if residuals < best_residuals:
+            best, best_residuals = inverse_compute, residuals
+    return best
+
+
+def _squared_residuals(points: tuple[CalibrationPoint, ...], coefficients: dict[str, float], inverse_compute: float) -> float:
+    return sum((_fitted_seconds(p, coefficients, inverse_compute) - p.itl_seconds) ** 2 for p in points)
+
+
+def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Least-squares coefficients by the normal equations, columns scaled to 1 for conditioning."""
+    width = len(rows[0])
+    scales = [max(abs(row[j]) for row in rows) or 1.0 for j in range(width)]
+    scaled = [[row[j] / scales[j] for j in range(width)] for row in rows]
+    gram = [[sum(r[i] * r[j] for r in scaled) for j in range(width)] for i in range(width)]
+    moments = [sum(r[i] * t for r, t in zip(scaled, targets)) for i in range(width)]
+    return [value / scale for value, scale in zip(_solve(gram, moments), scales)]
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a singular system is an InputError."""
+    size = len(vector)
+    augmented = [row[:] + [value] for row, value in zip(matrix, vector)]
+    for column in range(size):
+        pivot = max(range(column, size), key=lambda r: abs(augmented[r][column]))
+        if abs(augmented[pivot][column]) < 1e-12:
+            raise InputError("calibration points do not tell the fitted terms apart; measure more varied points")
+        augmented[column], augmented[pivot] = augmented[pivot], augmented[column]
+        for row in range(column + 1, size):
+            factor = augmented[row][column] / augmented[column][column]
+            augmented[row] = [a - factor * b for a, b in zip(augmented[row], augmented[column])]
+    solution = [0.0] * size
+    for row in reversed(range(size)):
+        known = sum(augmented[row][k] * solution[k] for k in range(row + 1, size))
+        solution[row] = (augmented[row][size] - known) / augmented[row][row]
+    return solution
+
+
+def calibration_point(setup: ServingSetup, itl_seconds: float, tokens_in_flight: float,
+                      running_requests: float = 1.0) -> CalibrationPoint:
+    """A measured gap with what the model says the step did: bytes read (weights and all), GEMM FLOPs.
+
+    `tokens_in_flight` is shared by `running_requests` equal requests (one stream: its context)."""
+    step = predict_step(setup, groups_from_total(tokens_in_flight, running_requests))
+    return CalibrationPoint(itl_seconds, tokens_in_flight, step.read_bytes, max(1.0, running_requests),
+                            step.weight_read_bytes, step.gemm_compute_seconds * setup.effective_compute_flops_per_second)
 
 
 def single_stream_read_bytes(setup: ServingSetup, context_tokens: float) -> float:

@@ -92,7 +92,8 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--params", help="total parameter count, overrides the preset's or the computed one (8.19e9, 8.19B)")
     group.add_argument("--tp", default="1", help="tensor-parallel GPUs per replica (default 1)")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto (16-bit), fp8, ... (default auto)")
-    group.add_argument("--weight-dtype", default="bf16", help="bf16, fp16, fp8, int8, int4, awq, gptq (default bf16)")
+    group.add_argument("--weight-dtype", default=None,
+                       help="bf16, fp16, fp8, int8, int4, awq, gptq (default: the config.json's quantization_config, else bf16)")
     group.add_argument("--gpu-memory-utilization", default="0.9", help="share of GPU memory the server may use (default 0.9)")
     group.add_argument("--reserved-memory", default="0",
                        help="memory kept for activations and CUDA graphs, e.g. 4GiB (default 0: capacity is an upper bound)")

@@ -295,8 +295,8 @@ def _value_of(reading: Reading, name: str) -> float | None:
 
 def _token_budget(setup: model.ServingSetup, budget_seconds: float, tokens: float | None,
                   running: float | None) -> float:
-    if setup.architecture.is_linear:
+    if model.budget_has_closed_form(setup):
         return model.token_budget_tokens(setup, budget_seconds)
-    # Non-linear (sliding windows, MoE): the budget depends on the context per request.
+    # Non-linear (sliding windows, MoE, a per-request cost): the budget depends on the context per request.
     context = tokens / running if tokens and running else IDLE_CONTEXT_TOKENS
     return model.token_budget_tokens(setup, budget_seconds, context)

@@ -73,7 +73,7 @@ def test_disagreeing_points_print_everything_then_exit_2(capsys: pytest.CaptureF
 
 def test_bad_itl_points_name_the_expected_form(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["calibrate", "--itl", "0.01"]) == 2
-    assert "SECONDS@TOKENS_IN_FLIGHT" in capsys.readouterr().err
+    assert "SECONDS@TOKENS[xREQUESTS]" in capsys.readouterr().err
     assert main(["calibrate", "--itl", "0.01@0"]) == 2
     assert "must be greater than zero" in capsys.readouterr().err
     assert main(["calibrate"]) == 2
@@ -223,3 +223,17 @@ def test_an_unreachable_or_stalled_server_fails_with_one_line(stub: Stub, capsys
     assert main(["calibrate", "--url", stub.url, "--model-name", "m", "--timeout", "0.2"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "timed out" in err and "/v1/completions" in err
+
+
+def test_itl_points_at_two_batch_sizes_fit_a_per_request_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-8B, 2,000 tokens per request: 1 request at 9 ms, 16 at 24 ms."""
+    assert main(["calibrate", "--itl", "9ms@2000", "--itl", "24ms@32000x16", "--json"]) in (0, 2)
+    out = json.loads(capsys.readouterr().out)
+    kv, weights = 2 * 36 * 8 * 128 * 2, 8.19e9 * 2
+    # 9 ms = (W + 2000 kv)/bw + r;  24 ms = (W + 32000 kv)/bw + 16 r
+    a1, a2 = weights + 2000 * kv, weights + 32000 * kv
+    inverse_bandwidth = (0.024 - 16 * 0.009) / (a2 - 16 * a1)
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(1 / inverse_bandwidth, rel=1e-6)
+    assert out["per_request_seconds"] == pytest.approx(0.009 - a1 * inverse_bandwidth, rel=1e-6)
+    assert out["effective_compute_flops_per_second"] is None
+    assert [p["running_requests"] for p in out["points"]] == [1, 16]

@@ -87,8 +87,12 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     measured_median = 0.025 + (0.05 - 0.025) * (100 - 90) / (180 - 90)
     prefill = (5000 - 1000) / (528 - 500)
     memory_step = (weights + kv_per_token * tokens) / bandwidth
-    compute_step = 2 * arch.params * (8 + prefill) / compute
-    predicted = max(memory_step, compute_step)
+    gemm_step = 2 * arch.params * (8 + prefill) / compute
+    # Decode tokens attend to their contexts: 4 FLOPs per query head dimension per token, every layer.
+    attention_step = 4 * arch.layers * arch.attention_heads * arch.head_dim * tokens / compute
+    compute_step = gemm_step + attention_step
+    # By phase: GEMMs, then attention, each at the longer of its memory and compute time.
+    predicted = max(weights / bandwidth, gemm_step) + max(kv_per_token * tokens / bandwidth, attention_step)
     step_budget = 0.9 / 50
     token_budget = (step_budget * bandwidth - weights) / kv_per_token
 
@@ -146,7 +150,9 @@ def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: Pag
     # Decode only, since the prefill rate is unknown: 2 tokens in the step.
     arch = get_model_preset("qwen3-8b")
     compute = 0.5 * get_gpu("h100-sxm").peak_flops_per_second["bf16"]
-    assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(2 * arch.params * 2 / compute)
+    attention = 4 * arch.layers * arch.attention_heads * arch.head_dim * 0.05 * 4096 * 16
+    assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(
+        (2 * arch.params * 2 + attention) / compute)
     # The default bandwidth is 0.6 x the datasheet peak, and says so.
     [(bw_labels, bw_value)] = samples["stepbudget_effective_bandwidth_bytes_per_second"]
     assert bw_labels["source"] == "default" and bw_value == pytest.approx(0.6 * 3.35e12)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from exporter import model
-from exporter.deployment import load_architecture
+from exporter.deployment import build_setup, load_architecture
 from exporter.errors import InputError, UnsupportedModelError
 from exporter.hf_config import load_hf_config
 from exporter.presets import get_model_preset
@@ -165,3 +165,27 @@ def test_unreadable_files_name_the_file(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(InputError, match="not valid JSON"):
         load_hf_config(str(bad))
+
+
+def test_an_awq_checkpoint_reads_4_bit_matrices_and_16_bit_embeddings_and_norms(tmp_path: Path) -> None:
+    raw = json.loads(Path(config("Llama-3.1-8B")).read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    arch = load_hf_config(str(path))
+    hidden, layers, vocab = 4096, 32, 128256
+    sixteen_bit = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embed_tokens, lm_head, norms
+    assert (arch.input_embedding_params, arch.unquantized_params) == (vocab * hidden, sixteen_bit)
+    assert arch.checkpoint_weight_dtype == "int4"
+    setup = build_setup(arch, "h100-sxm").setup  # no weight dtype given: the checkpoint's
+    assert setup.weight_bytes_per_param == 0.5
+    assert model.weight_bytes(arch, 0.5) == sixteen_bit * 2 + (arch.params - sixteen_bit) * 0.5
+    # One decode token reads all but the input table, of which it looks up one row.
+    assert model.weight_read_bytes(arch, 0.5, 1) == pytest.approx(
+        model.weight_bytes(arch, 0.5) - vocab * hidden * 2 + hidden * 2)
+
+
+def test_fp8_and_unquantized_checkpoints() -> None:
+    arch = load_hf_config(config("Llama-3.1-8B"))
+    assert arch.checkpoint_weight_dtype is None
+    assert build_setup(arch, "h100-sxm").setup.weight_bytes_per_param == 2.0

@@ -47,7 +47,12 @@ def test_reading_by_hand() -> None:
                                                  kv_cache_capacity_tokens=2000 * 16, preemptions_total=7),
                              window(mean=0.02, median=0.019, prefill=100), now_seconds=1000.0, scrape_duration_seconds=0.3)
     memory = (WEIGHTS + KV_PER_TOKEN * tokens) / 2e12
-    compute = 2 * 8.19e9 * (10 + 100) / COMPUTE
+    gemm = 2 * 8.19e9 * (10 + 100) / COMPUTE
+    # 10 decode tokens attend to their 16,000 tokens; the prefill's chunks (context unknown) are not counted.
+    attention = 4 * 36 * 32 * 128 * tokens / COMPUTE
+    compute = gemm + attention
+    # By phase: memory-bound GEMMs (weights), then memory-bound attention (KV).
+    step = max(WEIGHTS / 2e12, gemm) + max(KV_PER_TOKEN * tokens / 2e12, attention)
     budget = 0.8 / 40
     token_budget = (budget * 2e12 - WEIGHTS) / KV_PER_TOKEN
     assert reading.labels == {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B",
@@ -56,8 +61,9 @@ def test_reading_by_hand() -> None:
     assert reading.step_read_bytes == pytest.approx(WEIGHTS + KV_PER_TOKEN * tokens)
     assert reading.predicted_memory_step_seconds == pytest.approx(memory)
     assert reading.predicted_compute_step_seconds == pytest.approx(compute)
-    assert reading.predicted_step_seconds == pytest.approx(max(memory, compute))
-    assert reading.prediction_error_ratio == pytest.approx((max(memory, compute) - 0.02) / 0.02)
+    assert step == pytest.approx(memory)
+    assert reading.predicted_step_seconds == pytest.approx(step)
+    assert reading.prediction_error_ratio == pytest.approx((step - 0.02) / 0.02)
     assert reading.step_budget_seconds == pytest.approx(budget)
     assert reading.token_budget_tokens == pytest.approx(token_budget)
     assert reading.token_budget_utilization_ratio == pytest.approx(tokens / token_budget)
