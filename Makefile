@@ -41,9 +41,9 @@ tools: promtool helm
 test: $(STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The rule checks alone, for a quick loop while editing exporter/rules/ or rules/.
+# The rule checks alone, for a quick loop while editing exporter/serve/rules/ or rules/.
 test-rules:
-	promtool check rules --lint=all --lint-fatal exporter/rules/stepbudget.alerts.yaml rules/stepbudget.rules.yaml
+	promtool check rules --lint=all --lint-fatal exporter/serve/rules/stepbudget.alerts.yaml rules/stepbudget.rules.yaml
 	promtool test rules tests/rules/*_test.yaml
 
 # Regenerate the committed Grafana JSON from code, and copy rules/dashboards into the chart.
@@ -52,20 +52,20 @@ dashboards: $(STAMP)
 	$(MAKE) chart-sync
 
 # Fresh copies (no symlinks: .Files cannot read outside the chart, and the wheel and the image need a
-# real file). The alert rules' one source is exporter/rules/stepbudget.alerts.yaml (package data the
+# real file). The alert rules' one source is exporter/serve/rules/stepbudget.alerts.yaml (package data the
 # daemon reads); rules/ gets a copy for Prometheus users, then the chart copies rules/.
 # tests/test_rules.py and tests/test_helm_chart.py fail on drift.
 chart-sync:
-	cp exporter/rules/stepbudget.alerts.yaml rules/stepbudget.alerts.yaml
+	cp exporter/serve/rules/stepbudget.alerts.yaml rules/stepbudget.alerts.yaml
 	rm -rf helm/stepbudget/files/rules helm/stepbudget/files/dashboards
 	mkdir -p helm/stepbudget/files/rules helm/stepbudget/files/dashboards
 	cp rules/*.yaml helm/stepbudget/files/rules/
 	cp dashboards/*.json helm/stepbudget/files/dashboards/
 
-# Regenerate the `config` part of the chart's values.schema.json from exporter/config.py's key
+# Regenerate the `config` part of the chart's values.schema.json from exporter/serve/config.py's key
 # tables (tests/test_config_schema.py fails on drift).
 chart-schema: $(STAMP)
-	$(BIN)/python -m exporter.config_schema --write helm/stepbudget/values.schema.json
+	$(BIN)/python -m exporter.serve.config_schema --write helm/stepbudget/values.schema.json
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/accuracy.py

@@ -7,17 +7,17 @@ Two tables from shared/reference/validation/:
     InternLM-20B, batches 1-64, prompt/output lengths 1-2048, output tokens/s and p50 per-token latency.
 
 Method, per series (same model, hardware, GPU count, prompt and output lengths):
-  1. Calibrate on the two smallest batches of the series (exporter.model.calibrate, least squares):
+  1. Calibrate on the two smallest batches of the series (exporter.capacity.model.calibrate, least squares):
      with two batch sizes the fit gives the effective bandwidth and a per-request cost (the step
      model by phase: overhead + per-request cost x running + GEMM phase + attention phase).
-  2. Predict every larger batch with exporter.model and compare with the table; the two
+  2. Predict every larger batch with exporter.capacity.model and compare with the table; the two
      calibration rows are not scored.
 
 Conversions and assumptions (also written into the results):
   * A static batch of B requests with prompt I and output O holds on average I + O/2 tokens per
     request over its decode; bytes are linear in context, so the mean-context step is the mean step.
   * The batch's prefill is one compute-bound step of B*I prompt tokens (the compute term of
-    exporter.model's step with a prefill chunk and no decode), at the default compute efficiency
+    exporter.capacity.model's step with a prefill chunk and no decode), at the default compute efficiency
     (0.5 of the datasheet dense peak).
   * Batch time T = prefill + O * decode step. Databricks: measured T = B / (requests/s), so the
     measured per-token time is (T - predicted prefill) / O, and predicted throughput = B / T_pred.
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from exporter import model  # noqa: E402
-from exporter.model import Architecture, CalibrationPoint, RequestGroup, ServingSetup  # noqa: E402
+from exporter.capacity.model import Architecture, CalibrationPoint, RequestGroup, ServingSetup  # noqa: E402
 
 DATA_DIR = REPO / "benchmarks" / "data" / "validation"  # vendored from shared/reference/validation
 RESULTS = REPO / "benchmarks" / "results"

@@ -4,7 +4,7 @@ Cost, three layers, each an admit followed by its release (the release timed apa
   1. the book alone (`AdmissionBook.admit`), with many targets and many open admissions;
   2. the HTTP handler (`AdmissionApi.admission`: bearer check, JSON parse, validation, decision);
   3. a gateway's whole round trip: `AdmissionClient.admit` over loopback HTTP to a running daemon.
-Effect: `agents-join` in simulated time (exporter.integrations.simulated_gateway), shared vs
+Effect: `agents-join` in simulated time (exporter.admission.integrations.simulated_gateway), shared vs
 pools vs one pool, per-stream decode speeds of the chats before and while the agents run.
 
     .venv/bin/python benchmarks/admission.py [--decisions 20000] [--http-decisions 2000]
@@ -33,14 +33,13 @@ import structlog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from exporter import admission as admission_module  # noqa: E402
-from exporter import daemon as daemon_module  # noqa: E402
-from exporter.admission import (  # noqa: E402
-    AdmissionApi, AdmissionBook, AdmissionRequest, DeploymentPolicy,
-)
-from exporter.admission_client import AdmissionClient  # noqa: E402
-from exporter.config import config_from_mapping  # noqa: E402
-from exporter.integrations.simulated_gateway import (  # noqa: E402
+from exporter.admission import wiring as admission_module  # noqa: E402
+from exporter.serve import daemon as daemon_module  # noqa: E402
+from exporter.admission.api import AdmissionApi
+from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy
+from exporter.admission.client import AdmissionClient  # noqa: E402
+from exporter.serve.config import config_from_mapping  # noqa: E402
+from exporter.admission.integrations.simulated_gateway import (  # noqa: E402
     MODES, scenario_groups, format_run, run_agents_join,
 )
 from exporter.simulator import load_scenario  # noqa: E402

@@ -154,11 +154,11 @@ class Prometheus:
 
 def measure(count: int, cycles: int, profile: cProfile.Profile | None, with_prometheus: bool,
             interval_seconds: float = INTERVAL_SECONDS) -> Row:
-    from exporter.collector import make_registry
-    from exporter.config import config_from_mapping
-    from exporter.discovery import Discovery
-    from exporter.poller import HttpFetcher, Poller
-    from exporter.server import StepBudgetServer
+    from exporter.serve.collector import make_registry
+    from exporter.serve.config import config_from_mapping
+    from exporter.serve.discovery import Discovery
+    from exporter.serve.poller import HttpFetcher, Poller
+    from exporter.serve.server import StepBudgetServer
     from prometheus_client import generate_latest
 
     from benchmarks.fleet import address_of

@@ -17,12 +17,12 @@ from exporter.errors import InputError
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
-    "plan": ("exporter.planner", "offline sizing: KV bytes/token, capacity, token budget, per-user speed"),
-    "calibrate": ("exporter.calibrate", "measure effective bandwidth (and per-step overhead) from one stream"),
-    "serve": ("exporter.daemon", "the daemon: poll model servers, predict and measure every step, export, alert"),
+    "plan": ("exporter.capacity.planner", "offline sizing: KV bytes/token, capacity, token budget, per-user speed"),
+    "calibrate": ("exporter.capacity.calibrate", "measure effective bandwidth (and per-step overhead) from one stream"),
+    "serve": ("exporter.serve.daemon", "the daemon: poll model servers, predict and measure every step, export, alert"),
     "simulate": ("exporter.simulator.cli", "a simulated vLLM server on loopback, driven by a workload scenario"),
     "demo": ("exporter.demo", "simulated servers + calibration + the daemon + a live terminal view"),
-    "check-config": ("exporter.config", "validate a daemon config file"),
+    "check-config": ("exporter.serve.config", "validate a daemon config file"),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2

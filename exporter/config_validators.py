@@ -5,7 +5,7 @@ Why a module of its own (and public): the config's optional sections (`shard` in
 validators the core keys use. Those features must not import the config loader (the loader
 lists their sections, so that would be a cycle), nor reach into its private helpers. This module
 depends on nothing of the daemon, so every table can be written against it, and
-`exporter/config.py` assembles them all in one place (`config.top_level_keys`).
+`exporter/serve/config.py` assembles them all in one place (`config.top_level_keys`).
 
 A validator is a function `(value, where) -> parsed value` that raises `Invalid` with the problem
 only; `parse_at` (and `section`, `list_of` for nested values) turns that into a `ConfigError`
@@ -25,7 +25,7 @@ from exporter.suggest import close_names
 from exporter.units import parse_duration_seconds, parse_overhead_seconds, parse_size_bytes
 
 if TYPE_CHECKING:
-    from exporter.config import Config
+    from exporter.serve.config import Config
 
 
 class ConfigError(InputError):

@@ -38,8 +38,8 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import calibrate
-from exporter.deployment import build_setup, load_architecture
+from exporter.capacity import calibrate
+from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.errors import InputError
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerHandle, ServerSpec, load_scenario, start_server
 from exporter.units import parse_duration_seconds

@@ -19,7 +19,7 @@ _DURATION_UNITS: dict[str, float] = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 # Prometheus-style compound durations, largest unit first, each at most once: `1m30s`, `1h5m`, `2s500ms`.
 _COMPOUND_DURATION = re.compile(r"^\s*(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?\s*$")
-# What parse_duration_seconds reads, as a JSON-schema pattern (the config schema, exporter/config_schema.py).
+# What parse_duration_seconds reads, as a JSON-schema pattern (the config schema, exporter/serve/config_schema.py).
 DURATION_PATTERN = (r"^\s*(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:ms|s|m|h)?"
                     r"|(?:[0-9]+h)?(?:[0-9]+m)?(?:[0-9]+s)?(?:[0-9]+ms)?)\s*$")
 

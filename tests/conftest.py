@@ -21,7 +21,7 @@ from tests.support.servers import PageServer, free_port, wait_until
 from tests.support.tools import require_tool
 
 if TYPE_CHECKING:
-    from exporter.config import Config
+    from exporter.serve.config import Config
 
 
 @pytest.fixture
@@ -37,8 +37,8 @@ def clock() -> ManualClock:
 @pytest.fixture
 def make_poller() -> Iterator[MakePoller]:
     """Pollers driven by hand (`poll_once`) with injected clocks; stopped after the test."""
-    from exporter.discovery import Discovery
-    from exporter.poller import HttpFetcher, Poller
+    from exporter.serve.discovery import Discovery
+    from exporter.serve.poller import HttpFetcher, Poller
 
     started: list[tuple[Poller, HttpFetcher]] = []
 

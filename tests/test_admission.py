@@ -14,21 +14,19 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.core import CollectorRegistry
 
-from exporter.admission import (
+from exporter.admission.api import AdmissionApi
+from exporter.admission.book import (
     MAX_REQUEST_TOKENS,
-    AdmissionApi,
     AdmissionBook,
-    AdmissionCollector,
     AdmissionRequest,
     DeploymentPolicy,
     Pools,
     measurements_from_readings,
 )
+from exporter.admission.metrics import AdmissionCollector
 from exporter.errors import InputError
 from tests.support.clocks import ManualClock
 from tests.support.tools import require_tool
-
-
 
 CHAT_TPS = 50.0
 SETTLE = 5.0

@@ -21,9 +21,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-import exporter.admission as admission
-from exporter.admission_client import AdmissionClient
-from exporter.integrations.asgi import STATE_KEY, AdmissionMiddleware, estimate_prompt_tokens
+from exporter.admission.book import AdmissionBook
+from exporter.admission.client import AdmissionClient
+from exporter.admission.integrations.asgi import (
+    STATE_KEY,
+    AdmissionMiddleware,
+    estimate_prompt_tokens,
+)
 from tests.support.servers import free_port
 from tests.test_admission_http import daemon_with_admission
 
@@ -48,7 +52,7 @@ class SignallingClient(AdmissionClient):
 @dataclass
 class Stack:
     daemon_url: str
-    book: admission.AdmissionBook
+    book: AdmissionBook
     forwarded: list[str]  # targets the gateway app forwarded to
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import exporter.admission
+import exporter.admission.book
+import exporter.admission.sections
+import exporter.admission.wiring
 from exporter.cli import main
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "admission.yaml"
@@ -40,12 +42,12 @@ def test_the_example_config_is_valid(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_admission_is_off_without_the_section(tmp_path: Path) -> None:
-    from exporter.config import config_from_mapping
+    from exporter.serve.config import config_from_mapping
 
     config = config_from_mapping({"deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
                                                    "targets": {"static": ["http://10.0.0.5:8000/metrics"]}}]})
-    assert exporter.admission.api_from_config(config) is None
-    assert exporter.admission.pools_from_config(config) is None
+    assert exporter.admission.wiring.api_from_config(config) is None
+    assert exporter.admission.sections.pools_from_config(config) is None
 
 
 @pytest.mark.parametrize(("change", "token", "message"), [
@@ -69,9 +71,9 @@ def test_bad_sections_exit_2_naming_the_key(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_the_daemon_builds_the_book_from_the_config(tmp_path: Path) -> None:
-    from exporter.config import load_config
+    from exporter.serve.config import load_config
 
-    api = exporter.admission.api_from_config(load_config(str(write_example(tmp_path))))
+    api = exporter.admission.wiring.api_from_config(load_config(str(write_example(tmp_path))))
     assert api is not None
     assert api.book.deployments == ("chat", "agents")
-    assert api.book.pools == exporter.admission.Pools("chat", "agents", 32_000)
+    assert api.book.pools == exporter.admission.book.Pools("chat", "agents", 32_000)

@@ -21,15 +21,19 @@ import pytest
 import requests
 import yaml
 
-import exporter.admission as admission
-from exporter import daemon as daemon_module
-from exporter import model
-from exporter.admission_client import (
-    AdmissionClient, AdmissionError, AdmissionRefused, AdmissionUnavailable,
+from exporter.admission import wiring as admission
+from exporter.admission.api import AdmissionApi
+from exporter.admission.client import (
+    AdmissionClient,
+    AdmissionError,
+    AdmissionRefused,
+    AdmissionUnavailable,
 )
-from exporter.config import config_from_mapping
-from exporter.deployment import build_setup
-from exporter.presets import get_model_preset
+from exporter.capacity import model
+from exporter.capacity.deployment import build_setup
+from exporter.capacity.presets import get_model_preset
+from exporter.serve import daemon as daemon_module
+from exporter.serve.config import config_from_mapping
 from exporter.simulator import ServerSpec, start_server
 from tests.support.servers import free_port, wait_until
 
@@ -41,7 +45,7 @@ TIMEOUT_SECONDS = 5.0
 class RunningDaemon:
     url: str
     daemon: daemon_module.Daemon
-    api: admission.AdmissionApi
+    api: AdmissionApi
 
 
 def chat_budget_tokens() -> float:

@@ -19,7 +19,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from exporter.admission import Admission, AdmissionBook, AdmissionRequest, DeploymentPolicy
+from exporter.admission.book import (
+    Admission,
+    AdmissionBook,
+    AdmissionRequest,
+    DeploymentPolicy,
+)
 from tests.support.clocks import ManualClock
 
 TARGETS = ("a:8000", "b:8000")

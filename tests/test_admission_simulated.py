@@ -1,7 +1,7 @@
 """`agents-join` behind admission, in simulated time: the simulator's engines, the daemon's real
 poll pipeline and the admission book on one simulated clock (no wall clock, no sleeps).
 
-The expected slowdown without admission comes from the capacity model (exporter.model), whose
+The expected slowdown without admission comes from the capacity model (exporter.capacity.model), whose
 physics the simulator does not share: agreement is a result, not a tautology.
 """
 
@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import pytest
 
-from exporter import model
-from exporter.deployment import build_setup
-from exporter.integrations.simulated_gateway import (
-    AGENTS_TARGET, CHAT_TARGET, CHAT_TARGET_TOKENS_PER_SECOND, GatewayRun, run_agents_join, scenario_groups,
+from exporter.admission.integrations.simulated_gateway import (
+    AGENTS_TARGET,
+    CHAT_TARGET,
+    CHAT_TARGET_TOKENS_PER_SECOND,
+    GatewayRun,
+    run_agents_join,
+    scenario_groups,
 )
-from exporter.presets import get_model_preset
+from exporter.capacity import model
+from exporter.capacity.deployment import build_setup
+from exporter.capacity.presets import get_model_preset
 from exporter.simulator import load_scenario
 
 

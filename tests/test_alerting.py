@@ -16,14 +16,14 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
-from exporter.alert_rules import TemplateError, humanize_duration, render
-from exporter.alerting import (
+from exporter.serve.alert_rules import TemplateError, humanize_duration, render
+from exporter.serve.alerting import (
     CONDITIONS, KV_CACHE_NEARLY_FULL_RATIO, DRIFT_THRESHOLD_RATIO, PAGE_ALERT, PREEMPTION_WINDOW_SECONDS,
     PROMETHEUS_ONLY, AlertLoop, load_rules, packaged_rules, post_alerts,
 )
-from exporter.config import Alerting
+from exporter.serve.config import Alerting
 from exporter.errors import InputError
-from exporter.reading import Reading
+from exporter.serve.reading import Reading
 from exporter.units import parse_duration_seconds
 from tests.support.alertmanager import Alertmanager
 from tests.support.clocks import ManualClock

@@ -12,10 +12,10 @@ from typing import Callable, Iterator
 
 import pytest
 
-from exporter import calibrate
+from exporter.capacity import calibrate
 from exporter.cli import main
-from exporter.deployment import build_setup
-from exporter.presets import get_model_preset
+from exporter.capacity.deployment import build_setup
+from exporter.capacity.presets import get_model_preset
 
 QWEN3_KV = 2 * 36 * 8 * 128 * 2
 QWEN3_WEIGHTS = 8.19e9 * 2

@@ -16,11 +16,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__
-from exporter.collector import PER_TARGET, make_registry
-from exporter.config import Config, config_from_mapping
-from exporter.discovery import Discovery
-from exporter.poller import Poller
-from exporter.presets import get_gpu, get_model_preset
+from exporter.serve.collector import PER_TARGET, make_registry
+from exporter.serve.config import Config, config_from_mapping
+from exporter.serve.discovery import Discovery
+from exporter.serve.poller import Poller
+from exporter.capacity.presets import get_gpu, get_model_preset
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller
@@ -131,7 +131,7 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
 
 
 def test_the_reading_knows_every_exported_value() -> None:
-    from exporter.reading import VALUE_FIELDS
+    from exporter.serve.reading import VALUE_FIELDS
 
     assert [spec.name.removeprefix("stepbudget_") for spec in PER_TARGET][1:] == list(VALUE_FIELDS)
 
@@ -196,7 +196,7 @@ def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: Ma
 def test_each_engine_kind_flows_through(page_server: PageServer, clock: ManualClock, capture: str, kind: str, make_poller: MakePoller) -> None:
     """A real capture of each engine becomes up readings, the engine kind detected, and every
     exported value finite (nothing invalid slips out as a number)."""
-    from exporter.engines import read_page
+    from exporter.serve.engines import read_page
 
     text = (DATA / capture).read_text()
     expected = read_page(text)
@@ -224,7 +224,7 @@ def test_server_endpoints_readiness_and_route_table(page_server: PageServer, clo
                                                     make_poller: MakePoller) -> None:
     import requests
 
-    from exporter.server import Response, StepBudgetServer, TargetRow
+    from exporter.serve.server import Response, StepBudgetServer, TargetRow
 
     config = make_config([page_server.url])
     poller = make_poller(config, clock)
@@ -268,7 +268,7 @@ def test_server_endpoints_readiness_and_route_table(page_server: PageServer, clo
 
 def test_server_stops_whether_or_not_it_was_started() -> None:
     """A daemon built but never started (a test, a failed start) must stop without hanging."""
-    from exporter.server import StepBudgetServer
+    from exporter.serve.server import StepBudgetServer
 
     never_started = StepBudgetServer("127.0.0.1", 0, make_registry(tuple, ()), ready=lambda: False)
     never_started.stop()

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from exporter import cli
-from exporter.config import (
+from exporter.serve.config import (
     DEFAULT_MAX_RESPONSE_BYTES, ConfigError, Key, Section, config_from_mapping, daemon_sections, load_config,
     read_document, top_level_keys,
 )
 from exporter.config_validators import string
-from exporter.daemon import build_parser, config_from_args
+from exporter.serve.daemon import build_parser, config_from_args
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -319,15 +319,15 @@ def test_check_config_does_not_import_the_daemon_stack(tmp_path: Path) -> None:
         print(" ".join(sorted(name for name in sys.modules if name.startswith("exporter"))))
     """)
     modules = set(loaded.splitlines()[-1].split())
-    assert "exporter.config" in modules
-    assert not modules & {"exporter.daemon", "exporter.poller", "exporter.server", "exporter.discovery",
-                          "exporter.alerting", "exporter.collector"}, modules
+    assert "exporter.serve.config" in modules
+    assert not modules & {"exporter.serve.daemon", "exporter.serve.poller", "exporter.serve.server", "exporter.serve.discovery",
+                          "exporter.serve.alerting", "exporter.serve.collector"}, modules
 
 
 def test_validity_does_not_depend_on_import_order() -> None:
     """Importing the config alone knows every section: nothing is added by importing a feature."""
     output = _fresh_python("""
-        from exporter.config import config_from_mapping
+        from exporter.serve.config import config_from_mapping
         config = config_from_mapping({"shard": {"index": 1, "count": 3}, "deployments": [
             {"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": ["http://a:8000/metrics"]}}]})
         print(dict(config.sections["shard"]))
@@ -392,7 +392,7 @@ def test_there_are_examples_for_each_discovery_mode() -> None:
 
 
 def test_every_config_key_is_documented() -> None:
-    from exporter import config
+    from exporter.serve import config
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     tables = [config.TOP_LEVEL_KEYS, config.DEFAULTS_KEYS, config.DEPLOYMENT_KEYS, config.TARGETS_KEYS,

@@ -1,5 +1,5 @@
 """One schema for the daemon config: the chart's values.schema.json is generated from config.py's
-key tables (exporter/config_schema.py), and both refuse and accept the same documents."""
+key tables (exporter/serve/config_schema.py), and both refuse and accept the same documents."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft7Validator
 
-from exporter import config as config_module
-from exporter.config import ConfigError, config_from_mapping
-from exporter.config_schema import chart_config_schema, config_schema, parser_schema
+from exporter.serve import config as config_module
+from exporter.serve.config import ConfigError, config_from_mapping
+from exporter.serve.config_schema import chart_config_schema, config_schema, parser_schema
 from exporter.units import DURATION_PATTERN, parse_duration_seconds
 from exporter.errors import InputError
 
@@ -22,7 +22,7 @@ VALUES_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "stepbudget" /
 def test_chart_values_schema_config_is_generated_from_the_key_tables() -> None:
     committed = json.loads(VALUES_SCHEMA.read_text())["properties"]["config"]
     assert committed == chart_config_schema(), (
-        "helm/stepbudget/values.schema.json drifted from exporter/config.py: run `make chart-schema`")
+        "helm/stepbudget/values.schema.json drifted from exporter/serve/config.py: run `make chart-schema`")
 
 
 def test_every_key_of_every_section_is_in_the_schema() -> None:

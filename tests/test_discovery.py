@@ -18,8 +18,8 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from exporter.config import config_from_mapping
-from exporter.discovery import Discovery, parse_label_selector, resolve_addresses, target_label
+from exporter.serve.config import config_from_mapping
+from exporter.serve.discovery import Discovery, parse_label_selector, resolve_addresses, target_label
 from tests.support.servers import PageServer, send_text
 
 

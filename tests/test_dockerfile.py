@@ -127,8 +127,8 @@ def test_wheel_builds_from_exactly_what_the_dockerfile_copies(tmp_path: Path) ->
     (wheel,) = (tmp_path / "wheels").glob("stepbudget-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "exporter/cli.py" in names and "exporter/__init__.py" in names
-    # The rules file the in-process alert loop reads (exporter/alerting.py) is package data.
-    assert "exporter/rules/stepbudget.alerts.yaml" in names
+    # The rules file the in-process alert loop reads (exporter/serve/alerting.py) is package data.
+    assert "exporter/serve/rules/stepbudget.alerts.yaml" in names
     assert not [n for n in names if n.split("/")[0] in {"tests", "helm", "rules", "dashboards", "benchmarks"}]
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata.splitlines()

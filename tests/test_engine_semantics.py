@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from exporter import model
-from exporter.config import Config, config_from_mapping
-from exporter.presets import get_model_preset
-from exporter.snapshot import Histogram, Snapshot
-from exporter.window import compute_window
+from exporter.capacity import model
+from exporter.serve.config import Config, config_from_mapping
+from exporter.capacity.presets import get_model_preset
+from exporter.serve.snapshot import Histogram, Snapshot
+from exporter.serve.window import compute_window
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.engines import PageError, read_page
+from exporter.serve.engines import PageError, read_page
 
 DATA = Path(__file__).parent / "data" / "sglang"
 

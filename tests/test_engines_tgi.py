@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from exporter.engines import read_page
+from exporter.serve.engines import read_page
 
 PAGE = (Path(__file__).parent / "data" / "tgi" / "tgi_CONSTRUCTED_from_source.txt").read_text()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.engines import PageError, read_page
-from exporter.snapshot import Snapshot
+from exporter.serve.engines import PageError, read_page
+from exporter.serve.snapshot import Snapshot
 
 DATA = Path(__file__).parent / "data" / "vllm"
 SINGLE = (DATA / "vllm_v1_RECONSTRUCTED_single_process.txt").read_text()

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter.engines import PageError, read_page
-from exporter.engines.exposition import histogram_from_samples, parse_labels, parse_value, scan_page
+from exporter.serve.engines import PageError, read_page
+from exporter.serve.engines.exposition import histogram_from_samples, parse_labels, parse_value, scan_page
 
 DATA = Path(__file__).parent / "data"
 REAL_PAGE = (DATA / "vllm" / "vllm_v1_RECONSTRUCTED_single_process.txt").read_text()

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collector import make_registry
-from exporter.config import config_from_mapping
-from exporter.discovery import Target
-from exporter.engines import ADAPTERS, PageError, read_page
-from exporter.reading import derive_reading
-from exporter.snapshot import Histogram, Snapshot
-from exporter.window import compute_window
+from exporter.serve.collector import make_registry
+from exporter.serve.config import config_from_mapping
+from exporter.serve.discovery import Target
+from exporter.serve.engines import ADAPTERS, PageError, read_page
+from exporter.serve.reading import derive_reading
+from exporter.serve.snapshot import Histogram, Snapshot
+from exporter.serve.window import compute_window
 
 DATA = Path(__file__).resolve().parent / "data"
 CAPTURES = {path.relative_to(DATA).as_posix(): path.read_text(encoding="utf-8")

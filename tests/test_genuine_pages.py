@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from exporter import model
-from exporter.config import Config, config_from_mapping
-from exporter.poller import Poller
-from exporter.reading import Reading
+from exporter.capacity import model
+from exporter.serve.config import Config, config_from_mapping
+from exporter.serve.poller import Poller
+from exporter.serve.reading import Reading
 from tests.support.clocks import ManualClock
 from tests.support.pollers import MakePoller
 from tests.support.servers import PageServer

@@ -254,7 +254,7 @@ def test_pod_discovery_rbac_only_where_the_config_discovers() -> None:
     roles = of_kind(docs, "Role")
     assert {r["metadata"]["namespace"] for r in roles} == wanted
     for role in roles:
-        # exporter/discovery.py only lists pods (client.list at every poll): no get, no watch.
+        # exporter/serve/discovery.py only lists pods (client.list at every poll): no get, no watch.
         assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
     account = one(docs, "ServiceAccount")["metadata"]["name"]
     for binding in of_kind(docs, "RoleBinding"):
@@ -289,7 +289,7 @@ def test_config_map_holds_values_config_listening_on_the_container_port(values: 
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
 def test_rendered_config_passes_stepbudget_check_config(values: Path | None, tmp_path: Path) -> None:
-    """Depends on exporter/config.py (`stepbudget check-config`), owned by another issue."""
+    """Depends on exporter/serve/config.py (`stepbudget check-config`), owned by another issue."""
     cli = Path(sys.executable).parent / "stepbudget"
     assert cli.exists(), f"{cli} missing: `pip install -e .` first"
     path = tmp_path / "config.yaml"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter import model
-from exporter.deployment import build_setup, load_architecture
+from exporter.capacity import model
+from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.errors import InputError, UnsupportedModelError
-from exporter.hf_config import load_hf_config
-from exporter.presets import get_model_preset
+from exporter.capacity.hf_config import load_hf_config
+from exporter.capacity.presets import get_model_preset
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 

@@ -15,11 +15,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.fleet import HUGE_TOTAL_BYTES, Fleet, PageBook
-from exporter.collector import make_registry
-from exporter.config import Config, config_from_mapping
-from exporter.discovery import Discovery
-from exporter.poller import HttpFetcher, Poller
-from exporter.reading import Reading
+from exporter.serve.collector import make_registry
+from exporter.serve.config import Config, config_from_mapping
+from exporter.serve.discovery import Discovery
+from exporter.serve.poller import HttpFetcher, Poller
+from exporter.serve.reading import Reading
 from tests.support.clocks import ManualClock
 
 TIMEOUT_SECONDS = 1.0

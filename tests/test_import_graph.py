@@ -16,7 +16,7 @@ own submodules, Python already holds the package, which is how packages are mean
 
 What counts as a reach-in: `from exporter.x import _y` or `x._y` (with `x` bound to an exporter
 module) in any module other than `exporter.x` itself, dunders such as `__version__` excepted.
-A private submodule (`exporter.config._lines`) may be imported by the modules of its own
+A private submodule (`exporter.serve.config._lines`) may be imported by the modules of its own
 package only: that is how a package keeps a private implementation file.
 """
 

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporter import model
-from exporter.deployment import build_setup
+from exporter.capacity import model
+from exporter.capacity.deployment import build_setup
 from exporter.errors import InputError
-from exporter.model import Architecture, CalibrationPoint, RequestGroup
-from exporter.presets import MODELS, get_model_preset
+from exporter.capacity.model import Architecture, CalibrationPoint, RequestGroup
+from exporter.capacity.presets import MODELS, get_model_preset
 
 KIB = 1024
 H100_PEAK_BYTES_PER_SECOND = 3.35e12

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from exporter.cli import main
-from exporter.planner import build_plan, curve_points, predict_loads, parse_load
-from exporter.deployment import build_setup
-from exporter.presets import get_model_preset
-from exporter.model import RequestGroup
+from exporter.capacity.planner import build_plan, curve_points, predict_loads, parse_load
+from exporter.capacity.deployment import build_setup
+from exporter.capacity.presets import get_model_preset
+from exporter.capacity.model import RequestGroup
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 QWEN3_KV = 2 * 36 * 8 * 128 * 2

@@ -19,9 +19,9 @@ import responses
 import structlog
 from structlog.testing import capture_logs
 
-from exporter.config import Config, Tls, config_from_mapping
-from exporter.poller import FetchError, HttpFetcher
-from exporter.reading import Reading
+from exporter.serve.config import Config, Tls, config_from_mapping
+from exporter.serve.poller import FetchError, HttpFetcher
+from exporter.serve.reading import Reading
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller
@@ -455,7 +455,7 @@ def test_stopping_mid_cycle_logs_one_line_not_a_traceback_per_target(clock: Manu
     so it is one info line naming how many targets were not polled, and no half cycle is published.
     Depending on timing, stop() lands while fetches wait in the queue (cancelled) or while the cycle is
     still submitting them (never submitted); both are the same abandoned targets."""
-    from exporter.poller import MAX_FETCH_WORKERS
+    from exporter.serve.poller import MAX_FETCH_WORKERS
 
     queued = 5
     urls = [f"http://127.0.0.1:1/{index}/metrics" for index in range(MAX_FETCH_WORKERS + queued)]
@@ -487,7 +487,7 @@ def test_bearer_token_file_is_read_once_per_poll_and_a_missing_one_fails_each_ta
         tmp_path, clock: ManualClock, make_poller: MakePoller, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every target of a deployment gets its token; the file is read once per poll, not once per
     target, and still at every poll (Kubernetes rotates it in place)."""
-    from exporter.config import Auth
+    from exporter.serve.config import Auth
 
     token_file = tmp_path / "token"
     token_file.write_text("first\n")

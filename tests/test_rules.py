@@ -76,7 +76,7 @@ def test_promtool_unit_tests_pass() -> None:
 
 
 def test_rules_dir_holds_an_exact_copy_of_the_packaged_alerts() -> None:
-    """exporter/rules/ is the one source (the daemon reads it); `make chart-sync` copies it to rules/."""
+    """exporter/serve/rules/ is the one source (the daemon reads it); `make chart-sync` copies it to rules/."""
     copy = REPO / "rules" / ALERTS_FILE.name
     assert copy.read_bytes() == ALERTS_FILE.read_bytes(), f"{copy} drifted from {ALERTS_FILE}: run `make chart-sync`"
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exporter import sharding
-from exporter.config import ConfigError, load_config
-from exporter.discovery import Target, target_label
+from exporter.serve import sharding
+from exporter.serve.config import ConfigError, load_config
+from exporter.serve.discovery import Target, target_label
 from exporter.errors import InputError
-from exporter.sharding import Shard, ShardedDiscovery, keep_targets, parse_shard, shard_of
+from exporter.serve.sharding import Shard, ShardedDiscovery, keep_targets, parse_shard, shard_of
 from tests.test_config import MINIMAL, write
 from tests.support.tools import REPO, require_tool
 
@@ -78,7 +78,7 @@ def test_the_hash_is_the_same_in_another_process_with_another_hash_seed() -> Non
     here = [shard_of(url, 5) for url in urls]
     script = textwrap.dedent("""
         import json, sys
-        from exporter.sharding import shard_of
+        from exporter.serve.sharding import shard_of
         urls = json.loads(sys.stdin.read())
         print(json.dumps([shard_of(url, 5) for url in urls]))
     """)
@@ -186,7 +186,7 @@ def test_daemon_with_shard_flag_polls_only_its_shard() -> None:
     """`serve --shard I/N` end to end through the flags, the config and one poll (ports refuse fast)."""
     import argparse
 
-    from exporter import daemon
+    from exporter.serve import daemon
 
     urls = [f"http://127.0.9.{i}:9/metrics" for i in range(1, 41)]  # nothing listens there: refused at once
     parser = argparse.ArgumentParser()

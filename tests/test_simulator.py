@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from exporter.errors import InputError
-from exporter.presets import GPUS, MODELS
+from exporter.capacity.presets import GPUS, MODELS
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from exporter.simulator.scenarios import ClosedLoopGroup
 

@@ -1,7 +1,7 @@
 """End to end with prefix caching: 40 chats plus two tool-calling agents whose ~100,000-token
 prompts are 99% cached (the `agents-cached` scenario: Qwen3-8B on an H100, vLLM 0.33's page), read
 over real HTTP on 127.0.0.1 by the daemon's own poller, its readings evaluated by the daemon's own
-alert loop (the rules of rules/stepbudget.alerts.yaml, exporter/alerting.py).
+alert loop (the rules of rules/stepbudget.alerts.yaml, exporter/serve/alerting.py).
 
 Each agent turn re-sends its whole conversation, so `vllm:prompt_tokens_total` grows by ~200,000
 tokens a turn pair although the engine computes only ~2,000 of them; the rest are prefix-cache hits
@@ -27,9 +27,9 @@ from typing import Iterator
 
 import pytest
 
-from exporter.alerting import PAGE_ALERT, AlertLoop
-from exporter.config import Config, config_from_mapping
-from exporter.reading import Reading
+from exporter.serve.alerting import PAGE_ALERT, AlertLoop
+from exporter.serve.config import Config, config_from_mapping
+from exporter.serve.reading import Reading
 from exporter.simulator import ServerHandle, ServerSpec, load_scenario, start_server
 from tests.support.clocks import ManualClock
 from tests.support.pollers import MakePoller

@@ -14,7 +14,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import calibrate
+from exporter.capacity import calibrate
 from exporter.simulator import ServerHandle, ServerSpec, load_scenario, start_server
 from exporter.simulator.engine import single_stream_token_seconds
 

@@ -4,8 +4,8 @@ over-budget condition holds exactly while the agents are in; prefill bursts rais
 step while the predicted memory step stays flat; overload is counted as preemptions.
 
 The pipeline is the daemon's own, in-process and in simulated time: simulator page text ->
-exporter.engines.read_page -> exporter.window.compute_window -> exporter.reading.derive_reading
-(-> exporter.collector for the export). "Measured mean" is the simulator's ground truth: the
+exporter.serve.engines.read_page -> exporter.serve.window.compute_window -> exporter.serve.reading.derive_reading
+(-> exporter.serve.collector for the export). "Measured mean" is the simulator's ground truth: the
 mean of its ITL observations (every decoding request's step time) in each poll window. The mean,
 not the median: the prediction is the mean step over the window's mix of steps (DESIGN §2), and
 prediction_error_ratio is taken against the measured mean.
@@ -20,16 +20,16 @@ from functools import lru_cache
 import pytest
 from prometheus_client import generate_latest
 
-from exporter import calibrate, model
-from exporter.collector import make_registry
-from exporter.config import Deployment, config_from_mapping
-from exporter.deployment import build_setup, load_architecture
-from exporter.discovery import Target
-from exporter.engines import read_page
-from exporter.reading import Reading, derive_reading
+from exporter.capacity import calibrate, model
+from exporter.serve.collector import make_registry
+from exporter.serve.config import Deployment, config_from_mapping
+from exporter.capacity.deployment import build_setup, load_architecture
+from exporter.serve.discovery import Target
+from exporter.serve.engines import read_page
+from exporter.serve.reading import Reading, derive_reading
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerSpec, Simulator, load_scenario
 from exporter.simulator.engine import single_stream_token_seconds
-from exporter.window import compute_window
+from exporter.serve.window import compute_window
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from benchmarks.fleet import Fleet
-from exporter.config import config_from_mapping
-from exporter.discovery import Discovery
-from exporter.poller import HttpFetcher, PollResult, Poller
+from exporter.serve.config import config_from_mapping
+from exporter.serve.discovery import Discovery
+from exporter.serve.poller import HttpFetcher, PollResult, Poller
 
 TARGETS = 200
 FAILING_EVERY = 4  # target i fails when i % 4 == 0: a quarter of the fleet

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporter.engines import read_page
-from exporter.snapshot import Histogram, Snapshot
-from exporter.window import compute_window, histogram_quantile
+from exporter.serve.engines import read_page
+from exporter.serve.snapshot import Histogram, Snapshot
+from exporter.serve.window import compute_window, histogram_quantile
 from tests.support.tools import require_tool
 
 EDGES = ("0.01", "0.025", "0.05")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from exporter.errors import InputError
-from exporter.presets import get_gpu, get_model_preset
+from exporter.capacity.presets import get_gpu, get_model_preset
 from exporter.simulator.hardware import HardwareTruth, ModelBytes, ScheduledSequence, StepPhysics, model_bytes, num_gpu_blocks
 from exporter.simulator.scenarios import ClosedLoopGroup, Group, PoissonGroup, Scenario, ScriptedGroup
 from exporter.simulator.vllm_metrics import EngineCounters, VllmPage

@@ -1,6 +1,6 @@
 """The simulated server's private hardware truth: how long one engine step really takes.
 
-Written apart from `exporter.model` on purpose (DESIGN §5): the daemon predicts step times with
+Written apart from `exporter.capacity.model` on purpose (DESIGN §5): the daemon predicts step times with
 its own bandwidth-plus-overhead model, and the simulator must not share that code, or agreement
 between prediction and simulation would be a tautology. Only the architecture *data* of the
 presets (layers, heads, parameters, windows, experts) is shared; every byte and FLOP is counted
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from exporter.errors import InputError
-from exporter.presets import Gpu
+from exporter.capacity.presets import Gpu
 
 
 class ArchitectureData(Protocol):
-    """The preset fields the simulator reads (exporter.presets.MODELS entries satisfy it)."""
+    """The preset fields the simulator reads (exporter.capacity.presets.MODELS entries satisfy it)."""
 
     name: str
     layers: int

@@ -20,7 +20,7 @@ from tests.support.tools import REPO
 
 RULES_DIR = REPO / "rules"
 # The one source of the alert rules is the packaged file the daemon reads; rules/ holds a copy.
-ALERTS_FILE = REPO / "exporter" / "rules" / "stepbudget.alerts.yaml"
+ALERTS_FILE = REPO / "exporter" / "serve" / "rules" / "stepbudget.alerts.yaml"
 RECORDING_FILE = RULES_DIR / "stepbudget.rules.yaml"
 
 # DESIGN.md §3 "Exported metrics": the only stepbudget_ names the daemon exports.

@@ -5,6 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from exporter.poller import Poller
+    from exporter.serve.poller import Poller
 
 MakePoller = Callable[..., "Poller"]

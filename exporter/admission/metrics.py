@@ -1,0 +1,54 @@
+"""The admission metric families: decisions by outcome, and the tokens the book accounts to each target."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from exporter.admission.book import AdmissionBook
+
+if TYPE_CHECKING:
+    pass
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+class AdmissionCollector(Collector):
+    """Decisions and accounted tokens, fresh families at every scrape.
+
+    # HELP stepbudget_admission_decisions_total Admission decisions ...
+    # TYPE stepbudget_admission_decisions_total counter
+    stepbudget_admission_decisions_total{decision="admitted",deployment="chat"} 42.0
+    # HELP stepbudget_admitted_tokens Tokens the admission budget counts on the target ...
+    # TYPE stepbudget_admitted_tokens gauge
+    stepbudget_admitted_tokens{deployment="chat",target="10.0.0.5:8000"} 81234.0
+    """
+
+    def __init__(self, book: AdmissionBook) -> None:
+        self._book = book
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def _families(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            "stepbudget_admission_decisions",
+            "Admission decisions by the daemon's admission API: admitted, refused (no target has the tokens "
+            "left; retry later) or redirected (context above the pools' split: use the long-context pool)",
+            labels=["deployment", "decision"])
+        for (deployment, decision), count in sorted(self._book.decision_counts().items()):
+            decisions.add_metric([deployment, decision], count)
+        yield decisions
+        accounted = GaugeMetricFamily(
+            "stepbudget_admitted_tokens",
+            "Tokens the admission budget counts on the target: open admissions (prompt + output limit) plus the "
+            "measured tokens in flight no admission accounts for; compare with stepbudget_token_budget_tokens",
+            labels=["deployment", "target"])
+        for account in sorted(self._book.targets(), key=lambda a: (a.deployment, a.target)):
+            accounted.add_metric([account.deployment, account.target], account.accounted_tokens)
+        yield accounted

@@ -1,0 +1,77 @@
+"""Admission wired into the daemon: the book and API from a config, reconciled at every poll, and
+`install`, the extension hook exporter.serve.daemon calls when `admission.enabled` is on."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from exporter.admission.api import AdmissionApi, ApiResponse, read_token_file
+from exporter.admission.book import (
+    AdmissionBook,
+    DeploymentPolicy,
+    measurements_from_readings,
+)
+from exporter.admission.metrics import AdmissionCollector
+from exporter.admission.sections import pools_from_config
+
+if TYPE_CHECKING:
+    from exporter.serve.config import Config
+    from exporter.serve.daemon import Daemon
+
+def admission_enabled(config: Config) -> bool:
+    """Whether the config turns the admission API on (`admission.enabled`)."""
+    raw = config.sections.get("admission")
+    return bool(raw and raw["enabled"])
+
+
+def api_from_config(config: Config, *, clock: Callable[[], float] = time.monotonic) -> AdmissionApi | None:
+    """The admission API for a daemon config, or None when `admission.enabled` is off."""
+    if not admission_enabled(config):
+        return None
+    return AdmissionApi(book_from_config(config, clock=clock), read_token_file(config.sections["admission"]["token_file"]))
+
+
+def book_from_config(config: Config, *, clock: Callable[[], float] = time.monotonic,
+                     with_pools: bool = True) -> AdmissionBook:
+    """An empty book for a daemon config's deployments (and its `pools`, unless `with_pools` is off)."""
+    return AdmissionBook(
+        [DeploymentPolicy(d.name, d.target_tokens_per_second) for d in config.deployments],
+        pools_from_config(config) if with_pools else None, clock=clock,
+        poll_interval_seconds=config.poll_interval_seconds,
+    )
+
+
+def sync_at_every_poll(book: AdmissionBook, poller: Any) -> None:
+    """Feed each of the poller's results to the book: reconcile, suspend, forget (`AdmissionBook.sync`)."""
+    poller.add_listener(lambda result: book.sync(*measurements_from_readings(result.readings)))
+
+
+# --- the daemon: routes, poll listener, metrics ------------------------------------------------------
+
+
+def install(daemon: Daemon) -> AdmissionApi | None:
+    """Daemon extension hook (listed by `daemon.extensions_for`): with `admission.enabled`, serve the
+    API, reconcile at every poll and export the admission metrics on the daemon's registry. Off by
+    default: nothing is added. Returns the installed API (its `book` is the live state), for tests
+    and embedders."""
+    from exporter.serve.server import (
+        Response,  # the HTTP server's types, paid for only when admission is on
+    )
+
+    api = api_from_config(daemon.config)
+    if api is None:
+        return None
+
+    def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Callable[[Any], Any]:
+        def handle(request: Any) -> Any:
+            answer = handler(request.headers, request.body)
+            return Response(answer.status, answer.encoded(), "application/json", dict(answer.headers))
+
+        return handle
+
+    daemon.server.register_route("POST", "/v1/admission", route(api.admission))
+    daemon.server.register_route("POST", "/v1/release", route(api.release))
+    sync_at_every_poll(api.book, daemon.poller)
+    daemon.server.registry.register(AdmissionCollector(api.book))
+    return api

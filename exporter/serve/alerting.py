@@ -1,0 +1,306 @@
+"""The in-process alert loop: the alert rules of exporter/serve/rules/stepbudget.alerts.yaml (shipped in
+the package), evaluated after every poll, posted to Alertmanager (API v2) when
+`alerting.alertmanager_urls` is set.
+
+Why in process as well as in Prometheus: a site without a rule pipeline still gets the page, and a
+site with both gets ONE alert, because the labels here are exactly the labels the rules produce
+(`alertname`, `severity`, and the series labels deployment, target, model_name, engine, plus
+namespace and pod when discovered; the rules aggregate away job and instance), so Alertmanager
+deduplicates them. Names, `for` durations, labels and annotations are read from the rules file
+(exporter/serve/alert_rules.py), so they cannot drift from what Prometheus raises; only the conditions
+and their thresholds are Python (CONDITIONS below), tested against promtool's verdicts.
+
+Protocol (as Prometheus's notifier does): pending -> firing once the condition has held for `for`;
+a firing alert is posted at once and then re-posted at most every RESEND_SECONDS with
+endsAt = now + 4 x max(poll interval, RESEND_SECONDS), so Alertmanager resolves it by itself if the
+daemon dies; a cleared alert is posted with endsAt = now and re-posted for RESOLVED_RETENTION_SECONDS.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import requests
+import structlog
+
+from exporter.serve.alert_rules import AlertRule, load_alert_rules
+from exporter.serve.config import Alerting
+from exporter.errors import InputError
+from exporter.serve.reading import Reading
+
+log = structlog.get_logger("stepbudget.alerting")
+
+RESEND_SECONDS = 60.0
+RESOLVED_RETENTION_SECONDS = 15 * 60.0
+PREEMPTION_WINDOW_SECONDS = 5 * 60.0
+DRIFT_THRESHOLD_RATIO = 0.15
+KV_CACHE_NEARLY_FULL_RATIO = 0.95
+PAGE_ALERT = "StepBudgetPredictedStepOverBudget"
+
+Condition = Callable[[Reading, "History"], "float | None"]
+
+
+@dataclass
+class History:
+    """What a rule needs beyond one reading: the recent preemption counter values (for increase())."""
+
+    preemptions: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def preemption_increase(self) -> float | None:
+        """increase() over the window: the sum of rises, a drop counted as a reset (as PromQL does)."""
+        if len(self.preemptions) < 2:
+            return None
+        values = [value for _, value in self.preemptions]
+        return sum(b - a if b >= a else b for a, b in zip(values, values[1:]))
+
+
+def _over(value: float | None, limit: float | None) -> float | None:
+    return value if value is not None and limit is not None and value > limit else None
+
+
+def _predicted_over(reading: Reading, history: History) -> float | None:
+    return _over(reading.predicted_step_seconds, reading.step_budget_seconds)
+
+
+def _measured_over(reading: Reading, history: History) -> float | None:
+    return _over(reading.measured_step_seconds, reading.step_budget_seconds)
+
+
+def _drift(reading: Reading, history: History) -> float | None:
+    error = reading.prediction_error_ratio
+    return _over(abs(error), DRIFT_THRESHOLD_RATIO) if error is not None else None
+
+
+def _prefill_interference(reading: Reading, history: History) -> float | None:
+    measured = _measured_over(reading, history)
+    memory, budget = reading.predicted_memory_step_seconds, reading.step_budget_seconds
+    if measured is None or memory is None or budget is None or memory > budget:
+        return None
+    return measured
+
+
+def _kv_nearly_full(reading: Reading, history: History) -> float | None:
+    return _over(reading.kv_cache_usage_ratio, KV_CACHE_NEARLY_FULL_RATIO)
+
+
+def _preempting(reading: Reading, history: History) -> float | None:
+    return _over(history.preemption_increase(), 0.0)
+
+
+def _down(reading: Reading, history: History) -> float | None:
+    return 0.0 if not reading.target_up else None
+
+
+# Which condition raises which alert of the rules file. StepBudgetExporterAbsent is Prometheus-only
+# (an absent daemon cannot report its own absence); any other alert of the file without a condition
+# here, or a condition without an alert there, fails loading.
+CONDITIONS: dict[str, Condition] = {
+    PAGE_ALERT: _predicted_over,
+    "StepBudgetMeasuredStepOverBudget": _measured_over,
+    "StepBudgetPredictionDrift": _drift,
+    "StepBudgetPrefillInterference": _prefill_interference,
+    "StepBudgetKVCacheNearlyFull": _kv_nearly_full,
+    "StepBudgetPreemptions": _preempting,
+    "StepBudgetTargetDown": _down,
+}
+PROMETHEUS_ONLY = frozenset({"StepBudgetExporterAbsent"})
+
+
+def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
+    """The alerts the loop raises, read from the rules file (the packaged one when `path` is None):
+    a changed `for`, severity or annotation in the file changes the loop with no Python edit."""
+    rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
+    names = {rule.name for rule in rules}
+    if names != set(CONDITIONS):
+        raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in exporter/serve/alerting.py: "
+                         f"{sorted(names - set(CONDITIONS)) or 'none'}; conditions without an alert in the file: "
+                         f"{sorted(set(CONDITIONS) - names) or 'none'}")
+    return rules
+
+
+@functools.cache
+def packaged_rules() -> tuple[AlertRule, ...]:
+    """The shipped rules, read once per process (every AlertLoop of a test run shares them)."""
+    return load_rules()
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Alert:
+    rule: AlertRule
+    labels: dict[str, str]
+    active_since: float
+    value: float
+    fired_at: float | None = None
+    resolved_at: float | None = None
+    last_sent: float | None = None
+
+
+Post = Callable[[str, list[dict[str, object]], float], None]
+
+
+def post_alerts(url: str, alerts: list[dict[str, object]], timeout_seconds: float) -> None:
+    response = requests.post(f"{url.rstrip('/')}/api/v2/alerts", json=alerts, timeout=timeout_seconds)
+    if response.status_code >= 300:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+
+def _described(alert: _Alert) -> dict[str, object]:
+    """An alert's labels and annotations, as both Alertmanager's API and `GET /api/v1/alerts` carry them."""
+    return {
+        "labels": {"alertname": alert.rule.name, **alert.rule.labels, **alert.labels},
+        "annotations": {
+            key: template.render(alert.labels, alert.value) for key, template in alert.rule.annotations.items()
+        },
+    }
+
+
+def _with_page_for(rules: Iterable[AlertRule], for_seconds: float | None) -> tuple[AlertRule, ...]:
+    """Config `alerting.for` overrides the page's `for` only (docs/operations.md): a site can page
+    sooner or later without forking the rules file."""
+    if for_seconds is None:
+        return tuple(rules)
+    return tuple(replace(rule, for_seconds=for_seconds) if rule.name == PAGE_ALERT else rule for rule in rules)
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class AlertLoop:
+    """Evaluates the rules over each poll's readings; `evaluate` is driven by the poller (or a test).
+
+    `rules` defaults to the packaged rules file; tests pass rules loaded from a modified copy."""
+
+    def __init__(self, config: Alerting, *, poll_interval_seconds: float, generator_url: str = "",
+                 clock: Callable[[], float] = time.time, post: Post = post_alerts,
+                 rules: Sequence[AlertRule] | None = None) -> None:
+        self._urls = config.alertmanager_urls
+        self._timeout = config.timeout_seconds
+        self._generator_url = config.generator_url or generator_url
+        self._clock = clock
+        self._post = post
+        self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
+        self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds)
+        self._alerts: dict[tuple[str, tuple[tuple[str, str], ...]], _Alert] = {}
+        self._history: dict[tuple[tuple[str, str], ...], History] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._urls)
+
+    def on_poll(self, result: object) -> None:
+        """Poller listener."""
+        self.evaluate(getattr(result, "readings"), self._clock())
+
+    def evaluate(self, readings: Sequence[Reading], now: float) -> list[dict[str, object]]:
+        """Advance every alert's state to `now`; post what is due; return what was posted."""
+        # Each reading's labels and series key once per poll, for the history and for every rule.
+        labelled = [(reading, labels := reading.labels, tuple(sorted(labels.items()))) for reading in readings]
+        with self._lock:
+            self._record(labelled, now)
+            active: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+            for reading, labels, series in labelled:
+                history = self._history[series]
+                for rule in self.rules:
+                    value = CONDITIONS[rule.name](reading, history)
+                    if value is None:
+                        continue
+                    key = (rule.name, series)
+                    active.add(key)
+                    alert = self._alerts.get(key)
+                    if alert is None or alert.resolved_at is not None:
+                        alert = self._alerts[key] = _Alert(rule, labels, active_since=now, value=value)
+                    alert.value = value
+                    if alert.fired_at is None and now - alert.active_since >= rule.for_seconds:
+                        alert.fired_at = now
+                        log.warning("alert_firing", alertname=rule.name, severity=rule.severity, value=value, **labels)
+            for key, alert in list(self._alerts.items()):
+                if key in active or alert.resolved_at is not None:
+                    continue
+                if alert.fired_at is None:
+                    del self._alerts[key]  # pending that cleared: nothing was ever sent
+                else:
+                    alert.resolved_at = now
+                    log.info("alert_resolved", alertname=alert.rule.name, **alert.labels)
+            due = self._due(now)
+        if due and self._urls:
+            self._send(due)
+        return due
+
+    def _record(self, labelled: Iterable[tuple[Reading, dict[str, str], tuple[tuple[str, str], ...]]],
+                now: float) -> None:
+        seen = set()
+        for reading, _, series in labelled:
+            seen.add(series)
+            history = self._history.setdefault(series, History())
+            if reading.preemptions_total is not None:
+                history.preemptions.append((now, reading.preemptions_total))
+            while history.preemptions and history.preemptions[0][0] < now - PREEMPTION_WINDOW_SECONDS:
+                history.preemptions.popleft()
+        for series in [s for s in self._history if s not in seen]:
+            del self._history[series]
+
+    def _due(self, now: float) -> list[dict[str, object]]:
+        due = []
+        for key, alert in list(self._alerts.items()):
+            if alert.fired_at is None:
+                continue
+            if alert.resolved_at is not None and now - alert.resolved_at > RESOLVED_RETENTION_SECONDS:
+                del self._alerts[key]
+                continue
+            newly = alert.last_sent is None or (alert.resolved_at == now)
+            if not newly and now - (alert.last_sent or 0.0) < RESEND_SECONDS:
+                continue
+            alert.last_sent = now
+            due.append(self._payload(alert, now))
+        return due
+
+    def _payload(self, alert: _Alert, now: float) -> dict[str, object]:
+        ends_at = alert.resolved_at if alert.resolved_at is not None else now + self._valid_for_seconds
+        payload: dict[str, object] = {
+            **_described(alert),
+            "startsAt": _iso(alert.fired_at or now),
+            "endsAt": _iso(ends_at),
+        }
+        if self._generator_url:
+            payload["generatorURL"] = self._generator_url
+        return payload
+
+    def _send(self, alerts: list[dict[str, object]]) -> None:
+        for url in self._urls:
+            try:
+                self._post(url, alerts, self._timeout)
+            except Exception as error:  # noqa: BLE001 - Alertmanager down is logged, never fatal
+                log.warning("alertmanager_post_failed", url=url, alerts=len(alerts),
+                            reason=f"{type(error).__name__}: {str(error)[:200]}")
+
+    def active(self) -> list[dict[str, object]]:
+        """Every alert whose condition holds now, pending or firing, shaped like the `alerts` of
+        Prometheus's `GET /api/v1/alerts` so the same tools and habits read it."""
+        with self._lock:
+            return [
+                {
+                    **_described(alert),
+                    "state": "pending" if alert.fired_at is None else "firing",
+                    "activeAt": _iso(alert.active_since),
+                    "value": repr(alert.value),
+                }
+                for alert in self._alerts.values() if alert.resolved_at is None
+            ]
+
+    def firing(self) -> list[dict[str, str]]:
+        """Labels of the alerts firing now (for the landing page and tests)."""
+        with self._lock:
+            return [{"alertname": a.rule.name, **a.labels} for a in self._alerts.values()
+                    if a.fired_at is not None and a.resolved_at is None]

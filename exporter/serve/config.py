@@ -1,0 +1,490 @@
+"""The daemon's YAML config: a declarative key table, validation with file lines, and `check-config`.
+
+Why a table: every key has one place that says its type, default and meaning, so validation,
+defaults, `docs/operations.md`, the chart's JSON schema and flag overrides cannot drift apart. The
+optional sections (`shard`, `admission`, `pools`) are declared next to their features with the
+public validators of `exporter/config_validators.py` and listed here, in `daemon_sections`, the
+one place that says what a config may hold (`top_level_keys` joins them to the core keys): whether a config is valid never depends on which modules
+happen to be imported. A bad key is reported as `FILE:LINE: PATH: problem`, where PATH reads like
+`deployments[1].targets.static[0]`, and the CLI exits 2.
+
+`stepbudget check-config` runs `run` below; it imports the config's own modules only, never the
+daemon's poller or server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from exporter.capacity import model
+from exporter.admission.sections import ADMISSION_SECTION, POOLS_SECTION
+from exporter.config_validators import (
+    REQUIRED, ConfigError, Invalid, Key, LineDict, LineList, Parser, Section, Table, Where, bandwidth, boolean,
+    choice, duration, existing_file, list_of, non_negative, non_negative_seconds, one_of_keys, port, positive,
+    ratio, section, size, string, url, url_list, url_path, whole_positive,
+)
+from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
+from exporter.errors import InputError
+from exporter.capacity.model import Architecture
+from exporter.capacity.presets import get_gpu
+from exporter.serve.sharding import SHARD_SECTION
+
+# The public names; ConfigError, Key, REQUIRED, Section, Table, Where, LineDict and `section` are
+# re-exported from config_validators so `from exporter.serve.config import ConfigError` keeps working.
+__all__ = [
+    "ALERTING_KEYS", "AUTH_KEYS", "CALIBRATION_NUMBERS", "CALIBRATION_REQUIRED_KEYS", "CORE_KEYS",
+    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "SERVER_KINDS",
+    "KUBERNETES_KEYS", "LOG_FORMATS", "REQUIRED", "TARGETS_KEYS", "TLS_KEYS", "TOP_LEVEL_KEYS", "Alerting", "Auth",
+    "Config", "ConfigError", "Deployment", "DnsTargets", "Key", "KubernetesTargets", "LineDict", "Section", "Table",
+    "Tls", "Where", "build_parser", "config_from_mapping", "daemon_sections", "empty_document", "listen_address",
+    "load_config", "parse_listen", "read_document", "run", "section", "targets_check", "top_level_keys",
+]
+
+SERVER_KINDS = ("auto", "vllm", "sglang", "tgi")  # the page format: a server's `kind`
+LOG_FORMATS = ("auto", "json", "console")
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that keeps line numbers and rejects duplicate keys (PyYAML keeps the last)."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> LineDict:
+    loader.flatten_mapping(node)
+    result = LineDict(line=node.start_mark.line + 1)
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in result:
+            raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping")
+        result[key] = loader.construct_object(value_node, deep=True)
+        result.key_lines[key] = key_node.start_mark.line + 1
+    return result
+
+
+def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> LineList:
+    return LineList((loader.construct_object(child, deep=True) for child in node.value),
+                    line=node.start_mark.line + 1, item_lines=[child.start_mark.line + 1 for child in node.value])
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
+
+# --- the key tables --------------------------------------------------------------------------
+
+def targets_check(result: dict[str, Any], where: Where) -> None:
+    """A deployment with no target source would poll nothing, silently."""
+    if not any(result[name] for name in ("static", "dns", "kubernetes")):
+        raise Invalid("give at least one of static, dns, kubernetes")
+
+
+DNS_KEYS: Table = {
+    "name": Key(string, REQUIRED, "DNS name resolving to every pod, e.g. a headless Service `vllm.ns.svc.cluster.local`"),
+    "port": Key(port, 8000, "port of the model server's metrics endpoint"),
+    "path": Key(url_path, "/metrics", "metrics path"),
+    "scheme": Key(choice("http", "https"), "http", "http or https"),
+}
+KUBERNETES_KEYS: Table = {
+    "namespace": Key(string, REQUIRED, "namespace of the model-server pods"),
+    "label_selector": Key(string, REQUIRED, "label selector of the pods, e.g. `app=vllm`"),
+    "port": Key(port, 8000, "port of the metrics endpoint on each pod"),
+    "path": Key(url_path, "/metrics", "metrics path"),
+    "scheme": Key(choice("http", "https"), "http", "http or https"),
+    "kubeconfig": Key(existing_file, None, "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
+}
+TARGETS_KEYS: Table = {
+    "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
+    "dns": Key(section(DNS_KEYS), None, "DNS discovery: every address the name resolves to is a target"),
+    "kubernetes": Key(section(KUBERNETES_KEYS), None, "Kubernetes pod discovery (Running pods with an IP)"),
+}
+AUTH_KEYS: Table = {
+    "bearer_token_file": Key(existing_file, None, "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
+    "bearer_token_env": Key(string, None, "name of an environment variable holding a bearer token"),
+}
+TLS_KEYS: Table = {
+    "ca_file": Key(existing_file, None, "CA bundle to verify the servers' certificates"),
+    "insecure_skip_verify": Key(boolean, False, "do not verify certificates (testing only)"),
+}
+DEFAULTS_KEYS: Table = {
+    "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
+    "headroom": Key(ratio, model.DEFAULT_HEADROOM, "share of each step's budget kept for decode (the rest for prompt chunks)"),
+    "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY, "effective/peak memory bandwidth when not configured or calibrated"),
+    "compute_efficiency": Key(ratio, model.DEFAULT_COMPUTE_EFFICIENCY, "effective/peak dense compute"),
+}
+DEPLOYMENT_KEYS: Table = {
+    "name": Key(string, REQUIRED, "deployment name (the `deployment` label)"),
+    "model": Key(string, REQUIRED, "model preset name or path to a Hugging Face config.json"),
+    "params": Key(positive, None, "total parameter count, overriding the preset's"),
+    "gpu": Key(string, REQUIRED, "GPU preset name"),
+    "gpu_memory": Key(size, None, "GPU memory, overriding the preset's (e.g. `80GB`, a MIG slice)"),
+    "tensor_parallel": Key(whole_positive, 1, "GPUs per replica"),
+    "weight_dtype": Key(string, "bf16", "weight dtype: bf16, fp16, fp8, int8, int4, awq, gptq"),
+    "kv_cache_dtype": Key(string, "auto", "KV cache dtype: auto (16-bit), fp8, ..."),
+    "gpu_memory_utilization": Key(ratio, 0.9, "vLLM's --gpu-memory-utilization (capacity when the page lacks it)"),
+    "effective_bandwidth": Key(bandwidth, None, "effective memory bandwidth per GPU in bytes/s (source `configured`)"),
+    "bandwidth_efficiency": Key(ratio, None, "overrides defaults.bandwidth_efficiency for this deployment"),
+    "compute_efficiency": Key(ratio, None, "overrides defaults.compute_efficiency for this deployment"),
+    "step_overhead": Key(non_negative_seconds, None, "fixed per-step overhead (seconds or a duration like `2ms`)"),
+    "calibration": Key(existing_file, None, "`stepbudget calibrate --json` output: sets bandwidth and overhead (source `calibrated`)"),
+    "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
+    "headroom": Key(ratio, None, "overrides defaults.headroom"),
+    "kind": Key(choice(*SERVER_KINDS), "auto", "the servers' page format: auto, vllm, sglang, tgi"),
+    "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
+    "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
+    "tls": Key(section(TLS_KEYS), None, "TLS settings for https targets"),
+}
+ALERTING_KEYS: Table = {
+    "alertmanager_urls": Key(url_list, [], "Alertmanager base URLs; empty: the in-process alert loop is off"),
+    "for": Key(duration, None, "overrides the page's `for` (StepBudgetPredictedStepOverBudget, 5m in the rules)"),
+    "timeout": Key(duration, 5.0, "timeout of each POST to Alertmanager"),
+    "generator_url": Key(url, None, "link put in each alert (default: this daemon's `/`)"),
+}
+
+
+def listen_address(value: Any, where: Where) -> str:
+    """`HOST:PORT` or `:PORT` (a bare port number too), kept as text for `parse_listen` at bind time."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    try:
+        parse_listen(text)
+    except InputError as error:
+        raise Invalid(str(error)) from None
+    return text
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`:9421` -> ("", 9421) (all interfaces); `127.0.0.1:0` -> a free port."""
+    host, _, port_text = text.rpartition(":")
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise InputError(f"listen: expected HOST:PORT or :PORT, got {text!r}")
+    return host.strip("[]"), int(port_text)
+
+
+CORE_KEYS: Table = MappingProxyType({
+    "listen": Key(listen_address, ":9421", "address the daemon serves /metrics on"),
+    "poll_interval": Key(duration, 15.0, "how often every target is polled"),
+    "timeout": Key(duration, 5.0, "per-target fetch deadline (connect + whole body)"),
+    "stale_after": Key(duration, 60.0, "a failing target's last good values are dropped after this"),
+    "max_response_bytes": Key(size, float(DEFAULT_MAX_RESPONSE_BYTES), "a page larger than this is refused"),
+    "log_format": Key(choice(*LOG_FORMATS), "auto", "json, console, or auto (console on a TTY)"),
+    "defaults": Key(section(DEFAULTS_KEYS), None, "defaults for every deployment"),
+    "deployments": Key(list_of(section(DEPLOYMENT_KEYS)), REQUIRED, "the model-server deployments to watch"),
+    "alerting": Key(section(ALERTING_KEYS), None, "the in-process alert loop"),
+})
+
+
+def daemon_sections() -> tuple[Section, ...]:
+    """Every optional top-level section, each declared by its feature and listed here only.
+
+    Their parsed, defaulted values land in `Config.sections[name]`; a section not listed here is an
+    unknown key. One explicit list (not registration at import) keeps validity independent of
+    which modules were imported first.
+    """
+    return (SHARD_SECTION, ADMISSION_SECTION, POOLS_SECTION)
+
+
+def top_level_keys(sections: tuple[Section, ...] | None = None) -> Table:
+    """The whole schema of a config file: the core keys plus `sections` (default: `daemon_sections()`)."""
+    keys = dict(CORE_KEYS)
+    for extra in daemon_sections() if sections is None else sections:
+        if extra.name in keys:
+            raise ValueError(f"config section {extra.name!r} is already a key of the config")
+        keys[extra.name] = extra.key()
+    return MappingProxyType(keys)
+
+
+TOP_LEVEL_KEYS: Table = top_level_keys()  # read-only: what `check-config` and the chart's schema accept
+
+
+# --- the parsed config --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DnsTargets:
+    name: str
+    port: int
+    path: str
+    scheme: str
+
+
+@dataclass(frozen=True)
+class KubernetesTargets:
+    namespace: str
+    label_selector: str
+    port: int
+    path: str
+    scheme: str
+    kubeconfig: str | None
+
+
+@dataclass(frozen=True)
+class Auth:
+    bearer_token_file: str | None = None
+    bearer_token_env: str | None = None
+
+    def bearer_token(self) -> str | None:
+        """Read at each use: Kubernetes rotates projected service-account tokens in place."""
+        if self.bearer_token_file:
+            with open(self.bearer_token_file, encoding="utf-8") as handle:
+                return handle.read().strip() or None
+        if self.bearer_token_env:
+            return os.environ.get(self.bearer_token_env, "").strip() or None
+        return None
+
+
+@dataclass(frozen=True)
+class Tls:
+    ca_file: str | None = None
+    insecure_skip_verify: bool = False
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    model: str
+    gpu: str
+    tensor_parallel: int
+    kv_cache_dtype: str
+    kind: str  # the servers' page format: auto | vllm | sglang | tgi
+    target_tokens_per_second: float
+    headroom: float
+    resolved: ResolvedSetup
+    static_urls: tuple[str, ...] = ()
+    dns: DnsTargets | None = None
+    kubernetes: KubernetesTargets | None = None
+    auth: Auth = field(default_factory=Auth)
+    tls: Tls = field(default_factory=Tls)
+
+    @property
+    def architecture(self) -> Architecture:
+        return self.resolved.setup.architecture
+
+    @property
+    def step_budget_seconds(self) -> float:
+        return model.step_budget_seconds(self.target_tokens_per_second, self.headroom)
+
+
+@dataclass(frozen=True)
+class Alerting:
+    alertmanager_urls: tuple[str, ...] = ()
+    for_seconds: float | None = None
+    timeout_seconds: float = 5.0
+    generator_url: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str
+    poll_interval_seconds: float
+    timeout_seconds: float
+    stale_after_seconds: float
+    max_response_bytes: int
+    log_format: str
+    deployments: tuple[Deployment, ...]
+    alerting: Alerting = field(default_factory=Alerting)
+    sections: Mapping[str, Any] = field(default_factory=dict)  # registered extension sections
+    source: str = ""
+
+    def summary(self) -> str:
+        modes = sorted({mode for d in self.deployments for mode, on in
+                        (("static", d.static_urls), ("dns", d.dns), ("kubernetes", d.kubernetes)) if on})
+        alerting = f"alerting to {len(self.alerting.alertmanager_urls)} Alertmanager(s)" if self.alerting.alertmanager_urls else "alerting off"
+        return (f"{len(self.deployments)} deployment(s) ({', '.join(d.name for d in self.deployments)}), "
+                f"discovery {'+'.join(modes)}, poll every {self.poll_interval_seconds:g}s, listen {self.listen}, {alerting}")
+
+
+# What `stepbudget calibrate --json` always writes and the daemon reads, with how each is checked.
+CALIBRATION_NUMBERS: dict[str, Parser] = {
+    "effective_bandwidth_bytes_per_second": positive,
+    "step_overhead_seconds": non_negative,
+    "spread_ratio": non_negative,
+    "tolerance_ratio": positive,
+}
+CALIBRATION_REQUIRED_KEYS = (*CALIBRATION_NUMBERS, "agrees")
+
+
+def _calibration_values(path: str, deployment: str, where: Where) -> tuple[float, float]:
+    """Bandwidth and overhead from `stepbudget calibrate --json` output that calibrate itself accepted."""
+
+    def refuse(problem: str) -> ConfigError:
+        return where.error(f"deployment {deployment!r}: calibration file {path!r} {problem}")
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise refuse(f"cannot be read: {error}") from None
+    if not isinstance(document, dict):
+        raise refuse(f"is not `stepbudget calibrate --json` output: expected a JSON object, got {type(document).__name__}")
+    missing = [key for key in CALIBRATION_REQUIRED_KEYS if key not in document]
+    if missing:
+        raise refuse(f"is not `stepbudget calibrate --json` output: it lacks {', '.join(missing)}")
+    numbers: dict[str, float] = {}
+    for key, parse in CALIBRATION_NUMBERS.items():
+        try:
+            numbers[key] = parse(document[key], where)
+        except Invalid as bad:
+            raise refuse(f"has an unusable {key}: {bad}") from None
+    agrees, spread, tolerance = document["agrees"], numbers["spread_ratio"], numbers["tolerance_ratio"]
+    if not isinstance(agrees, bool):
+        raise refuse(f"has an unusable agrees: expected true or false, got {agrees!r}")
+    if agrees != (spread <= tolerance):
+        raise refuse(f"says agrees: {str(agrees).lower()} but its spread_ratio {spread:g} and tolerance_ratio "
+                     f"{tolerance:g} say otherwise (edited by hand?); re-run `stepbudget calibrate --json`")
+    if not agrees:
+        raise refuse(f"was rejected by `stepbudget calibrate` (agrees: false): its points' bandwidths spread "
+                     f"{spread:.1%}, more than the {tolerance:.0%} tolerance, so no one bandwidth describes that "
+                     "server; re-run `stepbudget calibrate` (its notes name likely causes) and use a file it accepts")
+    return numbers["effective_bandwidth_bytes_per_second"], numbers["step_overhead_seconds"]
+
+
+def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Where) -> Deployment:
+    lines = getattr(raw, "key_lines", {})
+    bandwidth, overhead, calibrated = raw["effective_bandwidth"], raw["step_overhead"], False
+    if raw["calibration"] is not None:
+        if bandwidth is not None:
+            raise where.error("give effective_bandwidth or calibration, not both")
+        bandwidth, calibrated_overhead = _calibration_values(raw["calibration"], raw["name"],
+                                                             where.child("calibration", lines.get("calibration")))
+        overhead = calibrated_overhead if overhead is None else overhead
+        calibrated = True
+
+    def at_key(key: str, check: Callable[[], Any]) -> Any:
+        """Run `check`; its InputError becomes a ConfigError at `key`'s line."""
+        try:
+            return check()
+        except InputError as error:
+            raise where.child(key, lines.get(key)).error(str(error)) from None
+
+    architecture: Architecture = at_key("model", lambda: load_architecture(raw["model"], raw["params"]))
+    at_key("gpu", lambda: get_gpu(raw["gpu"]))
+    at_key("tensor_parallel", lambda: model.check_tensor_parallel(architecture, raw["tensor_parallel"]))
+    try:
+        resolved = build_setup(
+            architecture, raw["gpu"],
+            gpu_memory_bytes=raw["gpu_memory"],
+            tensor_parallel=raw["tensor_parallel"],
+            weight_dtype=raw["weight_dtype"],
+            kv_cache_dtype=raw["kv_cache_dtype"],
+            gpu_memory_utilization=raw["gpu_memory_utilization"],
+            bandwidth_bytes_per_second=bandwidth,
+            bandwidth_is_calibrated=calibrated,
+            bandwidth_efficiency=raw["bandwidth_efficiency"] or defaults["bandwidth_efficiency"],
+            compute_efficiency=raw["compute_efficiency"] or defaults["compute_efficiency"],
+            step_overhead_seconds=overhead or 0.0,
+        )
+    except InputError as error:
+        raise where.error(str(error)) from None
+    targets = raw["targets"]
+    auth, tls = raw["auth"], raw["tls"]
+    return Deployment(
+        name=raw["name"], model=raw["model"], gpu=raw["gpu"], tensor_parallel=raw["tensor_parallel"],
+        kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"],
+        target_tokens_per_second=raw["target_tokens_per_second"] or defaults["target_tokens_per_second"],
+        headroom=raw["headroom"] or defaults["headroom"],
+        resolved=resolved,
+        static_urls=tuple(targets["static"]),
+        dns=DnsTargets(**targets["dns"]) if targets["dns"] else None,
+        kubernetes=KubernetesTargets(**targets["kubernetes"]) if targets["kubernetes"] else None,
+        auth=Auth(**auth) if auth else Auth(),
+        tls=Tls(**tls) if tls else Tls(),
+    )
+
+
+def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Section, ...] | None = None) -> Config:
+    """Validate a parsed YAML document (from `load_config` or built from flags).
+
+    `source` (the file name) rides along in every `Where`, so messages name the file without any
+    global state; `sections` defaults to `daemon_sections()` (tests pass their own).
+    """
+    extras = daemon_sections() if sections is None else sections
+    root = Where("", getattr(document, "line", 0), source)
+    try:
+        top = section(top_level_keys(extras))(document, root)
+    except Invalid as bad:
+        raise Where("", 1, source).error(str(bad)) from None
+    deployments = _build_deployments(document, top, Where("deployments", 0, source))
+    alerting_raw = top["alerting"]
+    alerting = Alerting(
+        alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
+        timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
+    ) if alerting_raw else Alerting()
+    config = Config(
+        listen=top["listen"], poll_interval_seconds=top["poll_interval"], timeout_seconds=top["timeout"],
+        stale_after_seconds=top["stale_after"], max_response_bytes=int(top["max_response_bytes"]),
+        log_format=top["log_format"], deployments=deployments, alerting=alerting,
+        sections={extra.name: top[extra.name] for extra in extras}, source=source,
+    )
+    for extra in extras:
+        if extra.config_check is not None:
+            extra.config_check(config)
+    return config
+
+
+def _build_deployments(document: Any, top: Mapping[str, Any], where: Where) -> tuple[Deployment, ...]:
+    """Every deployment resolved (model, GPU, calibration), each name used once."""
+    defaults = top["defaults"] or section(DEFAULTS_KEYS)(None, where.child("defaults", 0))
+    raw_deployments = document["deployments"]
+    item_lines = getattr(raw_deployments, "item_lines", [0] * len(raw_deployments))
+    deployments = [_build_deployment(raw, defaults, where.child(index, item_lines[index]))
+                   for index, raw in enumerate(top["deployments"])]
+    names = [d.name for d in deployments]
+    for index, name in enumerate(names):
+        if names.index(name) != index:
+            raise where.child(index, item_lines[index]).child("name", None).error(
+                f"deployment name {name!r} is used twice")
+    return tuple(deployments)
+
+
+def read_document(path: str) -> Any:
+    """The YAML document with line numbers; a missing file or a YAML syntax error is a ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config: {error.strerror or error}") from None
+    try:
+        document = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as error:
+        raise ConfigError(f"{path}:{str(error).removeprefix('line ')}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f"{mark.line + 1}:" if mark is not None else ""
+        raise ConfigError(f"{path}:{line} not valid YAML: {getattr(error, 'problem', None) or error}") from None
+    if document is None:
+        document = empty_document()
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}:1: config: the file must hold a mapping of keys, got {type(document).__name__}")
+    return document
+
+
+def empty_document() -> LineDict:
+    """A config document with no keys yet (flags fill it in when `serve` runs without a file)."""
+    return LineDict()
+
+
+def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read, apply flag overrides (top-level keys, same validation), validate and resolve."""
+    document = read_document(path)
+    for key, value in (overrides or {}).items():
+        document[key] = value
+    return config_from_mapping(document, path)
+
+
+# --- `stepbudget check-config` ------------------------------------------------------------------
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="the YAML config to validate")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate one file with the same schema `serve` uses; exit 2 (ConfigError) on the first problem."""
+    config = load_config(args.file)
+    print(f"{args.file}: ok: {config.summary()}")
+    return 0

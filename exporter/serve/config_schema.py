@@ -1,0 +1,169 @@
+"""The daemon config's JSON schema, generated from config.py's key tables.
+
+`stepbudget check-config` validates a config with the key tables in exporter/serve/config.py (core keys
+plus the sections `config.daemon_sections()` lists). The Helm chart checks `values.config` at `helm install`
+time with a JSON schema; this module derives that schema from the same tables, so both refuse
+the same unknown keys, missing required keys and wrongly typed values. The chart's copy lives
+under `properties.config` of helm/stepbudget/values.schema.json, rewritten by
+`python -m exporter.serve.config_schema --write` (`make chart-schema`); tests/test_config_schema.py
+fails when it drifts.
+
+What the schema cannot check stays with check-config: that files exist, that model and GPU
+presets exist, cross-key rules of registered sections (CHECK_CONFIG_ONLY) and value ranges of
+numbers written as strings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from exporter.serve import config
+from exporter.units import DURATION_PATTERN, SIZE_UNITS
+
+NUMBER_TEXT = r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$"
+
+
+def _case_insensitive(unit: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" for c in unit)
+
+
+SIZE_PATTERN = (r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:"
+                + "|".join(_case_insensitive(u) for u in sorted(SIZE_UNITS, key=len, reverse=True) if u)
+                + r")?\s*$")
+
+_NON_EMPTY = {"type": "string", "pattern": r"\S"}
+_POSITIVE = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": NUMBER_TEXT}]}
+_SIZE = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}]}
+_DURATION = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": DURATION_PATTERN}]}
+_URL = {"type": "string", "pattern": r"^\s*https?://"}
+
+# Each plain validator of exporter/config_validators.py (and config.py's `listen_address`), by its
+# qualified name: all public, so this table names nothing private of another module.
+PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
+    "string": _NON_EMPTY,
+    "existing_file": _NON_EMPTY,  # existence is checked by check-config, where the file is
+    "duration": _DURATION,
+    "size": _SIZE,
+    "bandwidth": _SIZE,
+    "positive": _POSITIVE,
+    "non_negative_seconds": {"anyOf": [{"type": "number", "minimum": 0},
+                                       {"type": "string", "pattern": DURATION_PATTERN}]},
+    "ratio": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                        {"type": "string", "pattern": NUMBER_TEXT}]},
+    "whole_positive": {"type": "integer", "minimum": 1},
+    "whole_non_negative": {"type": "integer", "minimum": 0},
+    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+    "boolean": {"type": "boolean"},
+    "url": _URL,
+    "url_path": {"type": "string", "pattern": r"^\s*/"},
+    "url_list": {"anyOf": [_URL, {"type": "array", "minItems": 1, "items": _URL}]},
+    "listen_address": {"type": ["string", "integer"]},
+}
+
+# Cross-key checks the schema does not express; check-config still runs them.
+CHECK_CONFIG_ONLY = {"check_shard_section", "check_admission_section", "check_pools_section"}
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return function.__qualname__.split(".<locals>")[0]
+
+
+def _check_schema(check: Callable[..., Any] | None) -> dict[str, Any]:
+    if check is None or _name(check) in CHECK_CONFIG_ONLY:
+        return {}
+    if _name(check) == "targets_check":
+        return {"anyOf": [{"required": [name]} for name in ("static", "dns", "kubernetes")]}
+    if _name(check) == "one_of_keys":
+        names = inspect.getclosurevars(check).nonlocals["names"]
+        given = {"not": {"type": "null"}}
+        pairs = [{"type": "object", "required": [a, b], "properties": {a: given, b: given}}
+                 for i, a in enumerate(names) for b in names[i + 1:]]
+        return {"not": pairs[0] if len(pairs) == 1 else {"anyOf": pairs}}
+    raise ValueError(f"no JSON schema for the config check {check.__qualname__}: "
+                     "add it to exporter/serve/config_schema.py (or to CHECK_CONFIG_ONLY)")
+
+
+def parser_schema(parse: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema of what one key parser accepts."""
+    name = _name(parse)
+    if name in PARSER_SCHEMAS:
+        return dict(PARSER_SCHEMAS[name])
+    captured = inspect.getclosurevars(parse).nonlocals
+    if name == "choice":
+        return {"enum": list(captured["choices"])}
+    if name == "list_of":
+        schema = {"type": "array", "items": parser_schema(captured["item"])}
+        return {**schema, "minItems": 1} if captured["non_empty"] else schema
+    if name == "section":
+        return table_schema(captured["table"], captured["check"])
+    raise ValueError(f"no JSON schema for the config parser {parse.__qualname__}: add it to exporter/serve/config_schema.py")
+
+
+def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` or null (a key given as null takes its default)."""
+    if "enum" in schema:
+        return {**schema, "enum": [*schema["enum"], None]}
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return {**schema, "type": [*types, "null"]}
+    return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+
+
+def table_schema(table: config.Table, check: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """A mapping of `table`'s keys: unknown keys refused, REQUIRED keys required, null meaning the default."""
+    properties = {}
+    for name, key in table.items():
+        schema = parser_schema(key.parse)
+        if key.default is not config.REQUIRED:
+            schema = _or_null(schema)
+        properties[name] = {"description": key.doc, **schema} if key.doc else schema
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+    required = [name for name, key in table.items() if key.default is config.REQUIRED]
+    if required:
+        schema["required"] = required
+    return {**schema, **_check_schema(check)}
+
+
+def config_schema() -> dict[str, Any]:
+    """The whole daemon config: the core keys and every section `config.daemon_sections()` lists."""
+    return table_schema(config.top_level_keys())
+
+
+def chart_config_schema() -> dict[str, Any]:
+    """`values.config` of the chart: the daemon config less `listen`, which the chart sets from `port`."""
+    schema = config_schema()
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "listen"}
+    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config.py's key tables "
+                             "by exporter/serve/config_schema.py; `listen` comes from `port`.")
+    return schema
+
+
+def write_chart_schema(path: Path) -> bool:
+    """Rewrite `properties.config` of the chart's values.schema.json; True when it changed."""
+    document = json.loads(path.read_text())
+    new = chart_config_schema()
+    if document["properties"].get("config") == new:
+        return False
+    document["properties"]["config"] = new
+    path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path, metavar="VALUES_SCHEMA_JSON",
+                        help="rewrite properties.config of this values.schema.json")
+    args = parser.parse_args(argv)
+    if args.write:
+        print(f"{args.write}: {'updated' if write_chart_schema(args.write) else 'unchanged'}")
+    else:
+        print(json.dumps(config_schema(), indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""`stepbudget serve`: config -> discovery -> poller -> readings -> /metrics and the alert loop.
+
+Flags override config keys (and validate the same way); with `--target URL --model M --gpu G` the
+daemon runs without a file. SIGTERM and SIGINT stop it within a few seconds with exit code 0.
+
+Optional features (admission) hook in through `extensions_for(config)`, the one list of what a
+config turns on besides polling: each hook gets the built Daemon (config, poller, server with its
+route table) before polling starts. Nothing is registered by importing a module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import structlog
+
+from exporter import __version__
+from exporter.admission import wiring as admission
+from exporter.serve.alerting import AlertLoop
+from exporter.serve.collector import make_registry
+from exporter.serve.config import (
+    LOG_FORMATS, Config, Deployment, config_from_mapping, empty_document, parse_listen, read_document,
+)
+from exporter.serve.discovery import Discovery
+from exporter.errors import InputError
+from exporter.logs import configure_logging
+from exporter.serve.poller import HttpFetcher, Poller
+from exporter.serve.server import Response, StepBudgetServer, TargetRow
+from exporter.serve.sharding import ShardedDiscovery, parse_shard, shard_from_config, shard_section
+
+log = structlog.get_logger("stepbudget.daemon")
+
+STOP_POLL_SECONDS = 0.2
+
+
+@dataclass
+class Daemon:
+    config: Config
+    poller: Poller
+    server: StepBudgetServer
+    alert_loop: AlertLoop
+    fetcher: HttpFetcher
+
+
+Extension = Callable[[Daemon], object]
+
+
+def extensions_for(config: Config) -> list[Extension]:
+    """The hooks this config turns on, run on the built Daemon before the first poll.
+
+    Listed here, in one place, so what runs follows from the config alone, not from which modules
+    happen to be imported. (Sharding is not a hook: it wraps discovery inside `build_daemon`.)
+    """
+    hooks: list[Extension] = []
+    if admission.admission_enabled(config):
+        hooks.append(admission.install)
+    return hooks
+
+
+# --- flags -----------------------------------------------------------------------------------------
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML config (see docs/operations.md)")
+    parser.add_argument("--listen", help="HOST:PORT or :PORT to serve /metrics on (default :9421)")
+    parser.add_argument("--poll-interval", metavar="DURATION", help="poll every target this often (default 15s)")
+    parser.add_argument("--timeout", metavar="DURATION", help="per-target fetch deadline (default 5s)")
+    parser.add_argument("--stale-after", metavar="DURATION", help="drop a failing target's values after this (default 60s)")
+    parser.add_argument("--max-response-bytes", metavar="SIZE", help="refuse pages larger than this (default 4MiB)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, help="json, console, or auto (console on a TTY)")
+    parser.add_argument("--target", action="append", metavar="URL", default=[],
+                        help="a metrics URL to poll (repeatable); with --model and --gpu, no config file needed")
+    parser.add_argument("--deployment", default="default", help="deployment name for --target (default: default)")
+    parser.add_argument("--model", help="model preset or config.json for --target")
+    parser.add_argument("--gpu", help="GPU preset for --target")
+    parser.add_argument("--tensor-parallel", type=int, help="GPUs per replica for --target")
+    parser.add_argument("--kind", choices=("auto", "vllm", "sglang", "tgi"), help="the servers' page format for --target")
+    parser.add_argument("--target-tps", type=float, help="per-user speed target for --target (default 50)")
+    parser.add_argument("--alertmanager-url", action="append", metavar="URL", default=[],
+                        help="Alertmanager to post alerts to (repeatable); overrides alerting.alertmanager_urls")
+    parser.add_argument("--alert-for", metavar="DURATION", help="overrides alerting.for (the page's `for`)")
+    parser.add_argument("--shard", metavar="INDEX/COUNT",
+                        help="poll only shard INDEX of COUNT (0 <= INDEX < COUNT; rendezvous hash of each target's URL); "
+                             "overrides the config's shard section")
+
+
+_TOP_LEVEL_FLAGS = {"listen": "listen", "poll_interval": "poll_interval", "timeout": "timeout",
+                    "stale_after": "stale_after", "max_response_bytes": "max_response_bytes",
+                    "log_format": "log_format"}
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config file (or an empty one) with every given flag applied on top, then validated."""
+    if args.config:
+        document = read_document(args.config)
+    elif args.target:
+        document = empty_document()
+    else:
+        raise InputError("give --config FILE, or --target URL with --model and --gpu")
+    for flag, key in _TOP_LEVEL_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            document[key] = value
+    if args.target:
+        if not args.model or not args.gpu:
+            raise InputError("--target needs --model and --gpu (or put the deployment in --config)")
+        deployment: dict[str, Any] = {"name": args.deployment, "model": args.model, "gpu": args.gpu,
+                                      "targets": {"static": list(args.target)}}
+        for flag, key in (("tensor_parallel", "tensor_parallel"), ("kind", "kind"),
+                          ("target_tps", "target_tokens_per_second")):
+            if getattr(args, flag) is not None:
+                deployment[key] = getattr(args, flag)
+        document["deployments"] = list(document.get("deployments") or []) + [deployment]
+    if args.alertmanager_url or args.alert_for:
+        alerting = dict(document.get("alerting") or {})
+        if args.alertmanager_url:
+            alerting["alertmanager_urls"] = list(args.alertmanager_url)
+        if args.alert_for:
+            alerting["for"] = args.alert_for
+        document["alerting"] = alerting
+    if getattr(args, "shard", None) is not None:
+        document["shard"] = shard_section(parse_shard(args.shard))
+    return config_from_mapping(document, args.config or "")
+
+
+# --- wiring ----------------------------------------------------------------------------------------
+
+
+def build_daemon(config: Config) -> Daemon:
+    host, port = parse_listen(config.listen)
+    fetcher = HttpFetcher(config.timeout_seconds, config.max_response_bytes)
+    discovery: Any = Discovery(config.deployments, timeout_seconds=config.timeout_seconds)
+    shard = shard_from_config(config)
+    if shard is not None:
+        discovery = ShardedDiscovery(discovery, shard)
+    poller = Poller(config, discovery, fetcher)
+    registry = make_registry(poller.readings, config.deployments)
+    server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
+                              targets=lambda: _target_rows(poller))
+    # The loop always evaluates, so `GET /api/v1/alerts` shows pending and firing alerts; it posts
+    # to Alertmanager only when `alerting.alertmanager_urls` is set.
+    alert_loop = AlertLoop(config.alerting, poll_interval_seconds=config.poll_interval_seconds,
+                           generator_url=f"http://{host or _hostname()}:{server.port}/")
+    poller.add_listener(alert_loop.on_poll)
+    server.register_route("GET", "/api/v1/alerts", lambda request: _alerts_response(alert_loop))
+    return Daemon(config, poller, server, alert_loop, fetcher)
+
+
+def _alerts_response(alert_loop: AlertLoop) -> Response:
+    body = {"status": "success", "data": {"alerts": alert_loop.active()}}
+    return Response(200, json.dumps(body).encode(), "application/json")
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _target_rows(poller: Poller) -> list[TargetRow]:
+    rows = []
+    for state in poller.target_states():
+        readings = [r for r in state.readings if r.target_up]
+        detail = state.last_error or ", ".join(
+            f"{r.model_name}/{r.engine}: " + (f"{r.tokens_in_flight:,.0f} tokens in flight" if r.tokens_in_flight is not None
+                                              else "tokens in flight unknown")
+            for r in readings)
+        rows.append(TargetRow(state.target.deployment, state.target.target, state.kind,
+                              state.last_error is None and state.last_success_seconds is not None, detail))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    configure_logging(config.log_format)
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        daemon = build_daemon(config)
+    except OSError as error:
+        raise InputError(f"listen {config.listen}: cannot serve there: {error.strerror or error}") from None
+    for hook in extensions_for(config):
+        hook(daemon)
+    daemon.server.start()
+    log.info("started", version=__version__, listen=config.listen, port=daemon.server.port,
+             poll_interval_seconds=config.poll_interval_seconds, timeout_seconds=config.timeout_seconds,
+             deployments=[_describe(d) for d in config.deployments],
+             alertmanagers=list(config.alerting.alertmanager_urls) or "off")
+    daemon.poller.start()
+    try:
+        while not stop.wait(STOP_POLL_SECONDS):
+            pass
+    finally:
+        started = time.monotonic()
+        daemon.poller.stop()
+        daemon.server.stop()
+        daemon.fetcher.close()
+        log.info("stopped", shutdown_seconds=round(time.monotonic() - started, 3))
+    return 0
+
+
+def _describe(deployment: Deployment) -> dict[str, Any]:
+    sources: dict[str, Any] = {}
+    if deployment.static_urls:
+        sources["static"] = list(deployment.static_urls)
+    if deployment.dns:
+        sources["dns"] = f"{deployment.dns.name}:{deployment.dns.port}"
+    if deployment.kubernetes:
+        sources["kubernetes"] = f"{deployment.kubernetes.namespace}/{deployment.kubernetes.label_selector}"
+    return {"name": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
+            "kind": deployment.kind, "bandwidth_source": deployment.resolved.bandwidth_source, **sources}

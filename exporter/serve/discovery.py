@@ -1,0 +1,243 @@
+"""Which model servers to poll: static URLs, every address of a DNS name, or Kubernetes pods.
+
+Discovery runs before each poll. A source that fails (DNS timeout, API server down) keeps its last
+good list and logs why, so one flaky lookup does not blank a deployment's targets; a target that
+truly disappears (pod deleted, address gone from DNS) is dropped, and the poller then drops its
+readings from the export.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
+
+import structlog
+
+from exporter.serve.config import Deployment, DnsTargets, KubernetesTargets
+
+log = structlog.get_logger("stepbudget.discovery")
+
+Resolver = Callable[..., list[tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One model server's metrics endpoint, as polled and as labelled."""
+
+    deployment: str
+    url: str
+    # The `target` label: host:port (plus the path when it is not /metrics), like Prometheus's instance.
+    target: str
+    namespace: str | None = None
+    pod: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.deployment, self.url)
+
+    @property
+    def discovery_labels(self) -> dict[str, str]:
+        labels = {}
+        if self.namespace is not None:
+            labels["namespace"] = self.namespace
+        if self.pod is not None:
+            labels["pod"] = self.pod
+        return labels
+
+
+def target_label(url: str) -> str:
+    """Unique per URL: two targets must never export the same series."""
+    parts = urlsplit(url)
+    label = parts.netloc + ("" if parts.path in ("", "/metrics") else parts.path)
+    return label + (f"?{parts.query}" if parts.query else "")
+
+
+def _host_port_url(scheme: str, host: str, port: int, path: str) -> str:
+    host_text = f"[{host}]" if ":" in host else host  # IPv6 literals need brackets in URLs
+    return f"{scheme}://{host_text}:{port}{path}"
+
+
+# --- DNS ---------------------------------------------------------------------------------------
+
+# getaddrinfo has no timeout and blocks in C: each lookup runs on its own daemon thread (so a stuck
+# one never delays exit) and the caller stops waiting at the deadline. At most DNS_WORKERS lookups
+# may be stuck at once; past that, lookups fail at once instead of piling up threads.
+DNS_WORKERS = 4
+_DNS_SLOTS = threading.BoundedSemaphore(DNS_WORKERS)
+
+
+def resolve_addresses(name: str, port: int, timeout_seconds: float, resolver: Resolver = socket.getaddrinfo) -> list[str]:
+    """Every distinct IP `name` resolves to (a headless Service gives one per ready pod), sorted."""
+    if not _DNS_SLOTS.acquire(timeout=timeout_seconds):
+        raise TimeoutError(f"DNS lookup of {name!r}: all {DNS_WORKERS} resolver workers are stuck")
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            outcome["infos"] = resolver(name, port, 0, socket.SOCK_STREAM)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+        finally:
+            _DNS_SLOTS.release()
+            done.set()
+
+    threading.Thread(target=lookup, name="stepbudget-dns", daemon=True).start()
+    if not done.wait(timeout_seconds):
+        raise TimeoutError(f"DNS lookup of {name!r} took longer than {timeout_seconds:g}s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return sorted({str(info[4][0]) for info in outcome["infos"]})
+
+
+# --- Kubernetes --------------------------------------------------------------------------------
+
+_SET_SELECTOR = re.compile(r"^\s*([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+_EQUALITY_SELECTOR = re.compile(r"^\s*(!?)\s*([\w./-]+)\s*(?:(==|=|!=)\s*([\w.-]*))?\s*$")
+
+
+def parse_label_selector(selector: str) -> dict[str, Any]:
+    """A Kubernetes label selector string as lightkube's `labels=` mapping.
+
+    Supports `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a,b)`, `k` (exists), `!k` (absent).
+    """
+    from lightkube import operators
+
+    labels: dict[str, Any] = {}
+    for term in _split_selector(selector):
+        set_match = _SET_SELECTOR.match(term)
+        if set_match:
+            key, op, values = set_match.groups()
+            items = [value.strip() for value in values.split(",") if value.strip()]
+            labels[key] = operators.in_(items) if op == "in" else operators.not_in(items)
+            continue
+        match = _EQUALITY_SELECTOR.match(term)
+        if not match:
+            raise ValueError(f"cannot read label selector term {term!r}")
+        negated, key, op, value = match.groups()
+        if negated:
+            labels[key] = operators.not_exists()
+        elif op is None:
+            labels[key] = None  # exists
+        elif op == "!=":
+            labels[key] = operators.not_equal(value)
+        else:
+            labels[key] = value
+    return labels
+
+
+def _split_selector(selector: str) -> list[str]:
+    """Split on commas outside parentheses."""
+    terms, depth, current = [], 0, ""
+    for char in selector:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            terms.append(current)
+            current = ""
+        else:
+            current += char
+    return [term for term in terms + [current] if term.strip()]
+
+
+@dataclass(frozen=True)
+class PodAddress:
+    name: str
+    ip: str
+
+
+def kubernetes_client(kubeconfig: str | None, timeout_seconds: float) -> Any:
+    """In-cluster config when running in a pod, else the kubeconfig file ($KUBECONFIG, ~/.kube/config)."""
+    import httpx2
+    from lightkube import Client
+    from lightkube.config.kubeconfig import KubeConfig
+
+    config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+    return Client(config, timeout=httpx2.Timeout(timeout_seconds), trust_env=False)
+
+
+def list_running_pods(client: Any, spec: KubernetesTargets) -> list[PodAddress]:
+    """Pods matching the selector that are Running and have an IP (others cannot serve /metrics)."""
+    from lightkube.resources.core_v1 import Pod
+
+    pods = client.list(Pod, namespace=spec.namespace, labels=parse_label_selector(spec.label_selector))
+    found = []
+    for pod in pods:
+        status = pod.status
+        if status is None or status.phase != "Running" or not status.podIP:
+            continue
+        found.append(PodAddress(name=pod.metadata.name, ip=status.podIP))
+    return sorted(found, key=lambda pod: pod.name)
+
+
+# --- all sources -------------------------------------------------------------------------------
+
+
+class Discovery:
+    """Turns each deployment's `targets` into the current list of Targets."""
+
+    def __init__(self, deployments: Sequence[Deployment], *, timeout_seconds: float,
+                 resolver: Resolver = socket.getaddrinfo,
+                 kubernetes_client_factory: Callable[[str | None, float], Any] = kubernetes_client) -> None:
+        self._deployments = tuple(deployments)
+        # Static targets never change: built once, not at every poll.
+        self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls] for d in self._deployments)
+        self._timeout_seconds = timeout_seconds
+        self._resolver = resolver
+        self._client_factory = kubernetes_client_factory
+        self._clients: dict[str | None, Any] = {}
+        # Last good answer per (deployment, source), kept when a lookup fails.
+        self._last: dict[tuple[str, str], list[Target]] = {}
+        self._last_error: dict[tuple[str, str], str] = {}
+
+    def discover(self) -> list[Target]:
+        targets: list[Target] = []
+        for deployment, static in zip(self._deployments, self._static):
+            targets += static
+            if deployment.dns is not None:
+                targets += self._guarded(deployment, "dns", lambda d=deployment: self._dns(d.name, d.dns))
+            if deployment.kubernetes is not None:
+                targets += self._guarded(deployment, "kubernetes", lambda d=deployment: self._kubernetes(d.name, d.kubernetes))
+        unique: dict[tuple[str, str], Target] = {}
+        for target in targets:
+            unique.setdefault(target.key, target)
+        return list(unique.values())
+
+    def _guarded(self, deployment: Deployment, source: str, lookup: Callable[[], list[Target]]) -> list[Target]:
+        key = (deployment.name, source)
+        try:
+            found = lookup()
+        except Exception as error:  # noqa: BLE001 - any discovery failure keeps the last good list
+            kept = self._last.get(key, [])
+            reason = f"{type(error).__name__}: {error}"[:300]
+            if self._last_error.get(key) != reason:  # once per change, not once per poll
+                log.warning("discovery_failed", deployment=deployment.name, source=source, reason=reason,
+                            kept_targets=len(kept))
+            self._last_error[key] = reason
+            return kept
+        if key in self._last_error:
+            log.info("discovery_recovered", deployment=deployment.name, source=source)
+            del self._last_error[key]
+        if [t.url for t in found] != [t.url for t in self._last.get(key, [])]:
+            log.info("discovery_changed", deployment=deployment.name, source=source,
+                     targets=[t.target for t in found])
+        self._last[key] = found
+        return found
+
+    def _dns(self, deployment: str, spec: DnsTargets) -> list[Target]:
+        addresses = resolve_addresses(spec.name, spec.port, self._timeout_seconds, self._resolver)
+        urls = [_host_port_url(spec.scheme, address, spec.port, spec.path) for address in addresses]
+        return [Target(deployment, url, target_label(url)) for url in urls]
+
+    def _kubernetes(self, deployment: str, spec: KubernetesTargets) -> list[Target]:
+        if spec.kubeconfig not in self._clients:
+            self._clients[spec.kubeconfig] = self._client_factory(spec.kubeconfig, self._timeout_seconds)
+        pods = list_running_pods(self._clients[spec.kubeconfig], spec)
+        targets = []
+        for pod in pods:
+            url = _host_port_url(spec.scheme, pod.ip, spec.port, spec.path)
+            targets.append(Target(deployment, url, target_label(url), namespace=spec.namespace, pod=pod.name))
+        return targets

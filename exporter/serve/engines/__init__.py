@@ -1,0 +1,95 @@
+"""Engine adapters: one model server's /metrics page -> one Snapshot per (model_name, engine).
+
+`read_page` is the only entry point the daemon needs. It never raises anything but PageError:
+a page that cannot be used is a failed poll of that target, never a crash of the poller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter.serve.engines import sglang, tgi, vllm
+from exporter.serve.engines.exposition import PageError, PageScan, scan_page
+from exporter.serve.engines.families import Adapter, identities, index_series, select
+from exporter.serve.snapshot import Snapshot
+
+__all__ = ["ADAPTERS", "PageError", "PageReading", "read_page"]
+
+ADAPTERS: dict[str, Adapter] = {adapter.kind: adapter for adapter in (vllm.ADAPTER, sglang.ADAPTER, tgi.ADAPTER)}
+_ALL_WANTED = frozenset().union(*(adapter.wanted() for adapter in ADAPTERS.values()))
+
+
+@dataclass(frozen=True)
+class PageReading:
+    """What one page says: the server kind, one Snapshot per engine, and page-level oddities."""
+
+    kind: str  # "vllm" | "sglang" | "tgi"
+    snapshots: tuple[Snapshot, ...]
+    problems: tuple[str, ...]  # each worth one log line (truncated histogram, NaN dropped, ...)
+
+
+def _detect(scan: PageScan) -> Adapter:
+    present = {kind: adapter.families_present(scan) for kind, adapter in ADAPTERS.items()}
+    kind = max(present, key=lambda k: present[k])  # ties: vllm, sglang, tgi order
+    if present[kind] == 0:
+        raise PageError("no known engine metrics", "none of the vLLM, SGLang or TGI families needed is on the page")
+    return ADAPTERS[kind]
+
+
+def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], list[str]]:
+    index = index_series(scan, adapter.sample_names(), adapter.roles)
+    who_all = identities(index)
+    selection = select(index, adapter.specs, who_all)
+    if adapter.finish is not None:
+        adapter.finish(scan, selection, who_all)
+    snapshots = []
+    for who in who_all:
+        values = selection.values[who]
+        for name in adapter.absent_means_zero:
+            if name not in values and selection.missing[who].get(name, "").startswith("no "):
+                del selection.missing[who][name]
+                values[name] = 0.0
+        missing = dict(adapter.not_offered) | selection.missing[who]
+        snapshots.append(
+            Snapshot(
+                kind=adapter.kind,
+                model_name=who[0],
+                engine=who[1],
+                missing=tuple(f"{name}: {why}" for name, why in missing.items()),
+                server_wide=tuple(sorted(selection.server_wide[who])),
+                **values,  # type: ignore[arg-type]
+            )
+        )
+    return tuple(snapshots), selection.problems
+
+
+def _read(text: str | bytes, kind: str) -> PageReading:
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        raise PageError("not Prometheus text", f"got {type(text).__name__}, not text")
+    if kind != "auto" and kind not in ADAPTERS:
+        raise PageError("unknown server kind", f"{kind!r} (known: auto, {', '.join(ADAPTERS)})")
+    scan = scan_page(text, ADAPTERS[kind].wanted() if kind != "auto" else _ALL_WANTED)
+    if kind == "auto":
+        adapter = _detect(scan)  # raises if no engine's families are on the page
+    else:
+        adapter = ADAPTERS[kind]
+        if adapter.families_present(scan) == 0:
+            raise PageError(f"no {adapter.kind} metrics", f"none of {', '.join(adapter.sample_names()[:3])}, ... on the page")
+    snapshots, problems = _snapshots(adapter, scan)
+    return PageReading(kind=adapter.kind, snapshots=snapshots, problems=tuple(dict.fromkeys(scan.problems + problems)))
+
+
+def read_page(text: str, kind: str = "auto") -> PageReading:
+    """Parses one /metrics page; kind "auto" detects vllm/sglang/tgi from the families present.
+
+    Raises PageError when the page is unusable: not Prometheus text (HTML, binary garbage, empty),
+    or none of the families a known engine needs.
+    """
+    try:
+        return _read(text, kind)
+    except PageError:
+        raise
+    except Exception as error:  # a reader bug must fail this one poll, never the daemon
+        raise PageError("unreadable page", f"{type(error).__name__}: {error}") from error

@@ -1,0 +1,208 @@
+"""A small, fast reader of the Prometheus text exposition format, for model servers' /metrics pages.
+
+Why not `prometheus_client.parser`: it parses every label of every line (~4.6 MB/s), while an
+engine adapter needs a dozen families out of a 20 KB page. This reader looks at the sample name
+first and parses labels and value only for the exact names asked for, so a real vLLM page costs a
+fraction of a millisecond. It never guesses: exact sample names (`vllm:prompt_tokens_total` is not
+`vllm:prompt_tokens_cached_total` nor `vllm:prompt_tokens_created`), escaped label values decoded
+(`\\\\`, `\\"`, `\\n`), and anything it cannot read is skipped and counted, not misread.
+
+Format reference: prometheus/docs `content/docs/instrumenting/exposition_formats.md` (text format
+0.0.4): `name{label="value",...} value [timestamp]`, `#` comment lines, lines end with `\\n`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from exporter.serve.snapshot import Histogram
+
+
+class PageError(Exception):
+    """The page is unusable (not Prometheus text, or none of the families a known engine needs).
+
+    `reason` is a short phrase for a log line and the target's `up 0`; the message adds detail.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+Labels = dict[str, str]
+
+_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+# One `name="value"` pair; the value may hold any character but an unescaped quote or a raw newline.
+_LABEL_RE = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*(,?)')
+_CLOSE_RE = re.compile(r"[ \t]*\}")
+_ESCAPE_RE = re.compile(r"\\(.)")
+_UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}
+# Python's float() also takes "1_0", "infinity" and the like, which Prometheus does not write.
+_VALUE_RE = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[Ii]nf|NaN|nan)")
+# Control characters other than tab, newline and carriage return: text pages never hold them.
+_BINARY_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]")
+_BINARY_SHARE = 0.01
+
+
+@dataclass
+class PageScan:
+    """Samples of the wanted names, in page order, plus what looked wrong on the page."""
+
+    samples: dict[str, list[tuple[Labels, float]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    sample_lines: int = 0  # lines that read as samples, wanted or not
+    malformed_lines: int = 0
+
+
+def _unescape(value: str) -> str:
+    return _ESCAPE_RE.sub(lambda m: _UNESCAPED.get(m.group(1), m.group(0)), value)
+
+
+def parse_value(token: str) -> float | None:
+    """A sample value as Prometheus writes it (`NaN`, `+Inf`, `1.5e+09`), or None if it is not one."""
+    if _VALUE_RE.fullmatch(token) is None:
+        return None
+    return float(token)
+
+
+def parse_labels(line: str, start: int) -> tuple[Labels, int] | None:
+    """Labels from `{` at `start`; returns them and the index after `}`, or None if malformed."""
+    labels: Labels = {}
+    pos = start + 1
+    while True:
+        close = _CLOSE_RE.match(line, pos)
+        if close is not None:
+            return labels, close.end()
+        pair = _LABEL_RE.match(line, pos)
+        if pair is None:
+            return None
+        name, raw = pair.group(1), pair.group(2)
+        labels[name] = _unescape(raw) if "\\" in raw else raw
+        pos = pair.end()
+        if not pair.group(3):  # no comma: the set must close here
+            close = _CLOSE_RE.match(line, pos)
+            return (labels, close.end()) if close is not None else None
+
+
+def _check_is_text(text: str) -> None:
+    if not text.strip():
+        raise PageError("empty page")
+    head = text.lstrip()[:64].lower()
+    if head.startswith("<"):
+        raise PageError("not Prometheus text", "the page is HTML/XML")
+    sample = text[:4096]  # garbage shows at once; scanning the whole page would cost more than parsing it
+    if "\x00" in sample or len(_BINARY_RE.findall(sample)) > _BINARY_SHARE * len(sample):
+        raise PageError("not Prometheus text", "the page holds binary data")
+
+
+def _read_sample(line: str, end: int, name: str, scan: PageScan, seen: set) -> bool:
+    """Parses one wanted sample line into `scan`; False if the line is malformed."""
+    labels: Labels = {}
+    pos = end
+    if pos < len(line) and line[pos] == "{":
+        parsed = parse_labels(line, pos)
+        if parsed is None:
+            return False
+        labels, pos = parsed
+    tokens = line[pos:].split(None, 2)
+    if not tokens or (pos < len(line) and line[pos] not in " \t"):
+        return False
+    value = parse_value(tokens[0])
+    if value is None:
+        return False
+    key = (name, tuple(sorted(labels.items())))
+    series = scan.samples.setdefault(name, [])
+    if key in seen:
+        # Duplicate series: the later line wins, as Prometheus's own scrape would reject the page.
+        scan.problems.append(f"duplicate series {name}{labels}: kept the last value")
+        series[:] = [entry for entry in series if entry[0] != labels]
+    seen.add(key)
+    series.append((labels, value))
+    return True
+
+
+def _any_sample(lines: list[str]) -> bool:
+    """Whether any line is a whole sample (name, labels, a number): tells text from a 404 body."""
+    for raw in lines:
+        line = raw.strip()
+        match = _NAME_RE.match(line) if line and line[0] != "#" else None
+        if match is None:
+            continue
+        end = match.end()
+        if end < len(line) and line[end] == "{":
+            parsed = parse_labels(line, end)
+            end = parsed[1] if parsed else -1
+        tokens = line[end:].split() if end >= 0 else []
+        if tokens and line[end] in " \t" and parse_value(tokens[0]) is not None:
+            return True
+    return False
+
+
+def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
+    """Reads the samples whose names are in `wanted` (exact names) from one page.
+
+    Raises PageError for an empty page, HTML, binary data, or text with no sample line at all.
+    Malformed lines are skipped and counted; a last line without its newline is dropped as cut off.
+    """
+    _check_is_text(text)
+    scan = PageScan()
+    lines = text.lstrip("\ufeff").split("\n")  # a byte-order mark would hide the first name
+    if lines[-1].strip() and not lines[-1].lstrip().startswith("#"):
+        scan.problems.append("page ends mid-line (truncated?): its last line was dropped")
+    lines.pop()  # the part after the final newline: empty on a complete page
+    seen: set = set()
+    first_bad = 0
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line[0] == "#":
+            continue
+        match = _NAME_RE.match(line)
+        if match is None:  # includes `{"utf8.name"}` lines: only sent to clients that ask for them
+            scan.malformed_lines += 1
+            first_bad = first_bad or number
+            continue
+        name, end = match.group(), match.end()
+        if name in wanted:
+            ok = _read_sample(line, end, name, scan, seen)
+        else:  # cheap check only (a name, then labels or a space); values are checked if nothing was wanted
+            ok = end < len(line) and line[end] in "{ \t"
+        if ok:
+            scan.sample_lines += 1
+        else:
+            scan.malformed_lines += 1
+            first_bad = first_bad or number
+    if not scan.samples and not _any_sample(lines):
+        if scan.malformed_lines == 0 and scan.sample_lines == 0:
+            raise PageError("no samples", "the page holds only comments (HELP/TYPE without values)")
+        raise PageError("not Prometheus text", f"no line reads as a sample (first bad line {first_bad or 1})")
+    if scan.malformed_lines:
+        scan.problems.append(f"{scan.malformed_lines} malformed line(s) skipped (first at line {first_bad})")
+    return scan
+
+
+def histogram_from_samples(
+    buckets: list[tuple[float, float]], count: float | None, total: float | None
+) -> tuple[Histogram | None, str]:
+    """A complete, consistent histogram, or None and why not.
+
+    A page cut off mid-histogram lacks its `+Inf` bucket, `_count` or `_sum`: such a histogram is
+    dropped, never read from the buckets that happen to be there.
+    """
+    if count is None or total is None:
+        return None, "incomplete (no _count or _sum: page cut off?)"
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][0] != math.inf:
+        return None, "incomplete (no +Inf bucket: page cut off?)"
+    counts = [c for _, c in ordered]
+    edges = [le for le, _ in ordered]
+    if any(not math.isfinite(c) or c < 0 for c in counts) or not math.isfinite(count) or not math.isfinite(total):
+        return None, "holds NaN, Inf or negative counts"
+    if any(a == b for a, b in zip(edges, edges[1:])) or any(math.isnan(le) for le in edges):
+        return None, "repeats a bucket edge"
+    if any(later < earlier for earlier, later in zip(counts, counts[1:])):
+        return None, "buckets are not cumulative"
+    if counts[-1] != count:
+        return None, f"+Inf bucket {counts[-1]:g} differs from _count {count:g}"
+    return Histogram(buckets=tuple(ordered), count=count, sum=total), ""

@@ -1,0 +1,303 @@
+"""From scanned samples to one value per (model_name, engine): the merge rules all adapters share.
+
+A page can hold several series for what is one engine's one value:
+- `pid` label (prometheus_client multiprocess mode, gauges left at the default mode "all"; REPORT.md
+  §a.1): counters and histograms are each process's share, so they are summed; gauges are each
+  process's copy of the same engine state, so the largest is taken (summing would double count).
+- other extra labels (SGLang's `tp_rank` copies, `engine_type`): copies of one engine's state, the
+  largest is taken and the page gets a problem line, since the adapter cannot tell which is right.
+- partition labels (SGLang's `is_streaming`; `priority` where the family has no `priority=""` total):
+  each request is counted under exactly one value, so the series are shares of the engine's total
+  and are summed, gauges included (each share is a different set of requests).
+Non-finite (NaN, ±Inf) and negative values are never passed on: the field becomes None with a note.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Literal
+
+from exporter.serve.engines.exposition import Labels, PageScan, histogram_from_samples, parse_value
+from exporter.serve.snapshot import Histogram
+
+Kind = Literal["gauge", "counter", "histogram"]
+Identity = tuple[str, str]  # (model_name, engine)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Where one Snapshot field comes from: candidate families in order of preference."""
+
+    field: str
+    names: tuple[str, ...]  # for histograms the base name (samples `_bucket`, `_count`, `_sum`)
+    kind: Kind
+    match: tuple[tuple[str, str], ...] = ()  # label values a series must carry (TGI's method="decode")
+    # A refinement older releases lack (their absence is handled downstream, with its own note):
+    # not listed in the snapshot's `missing`.
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class EngineLabels:
+    """Which labels name the model and the engine index on one engine's pages."""
+
+    model: tuple[str, ...]  # first present wins; none present -> ""
+    engine: str | None  # absent on the series -> the series applies to every engine of its model
+    process: str = "pid"
+    # (label, value) of the series that hold totals: where a family has such a series, a series
+    # carrying the label with another value is a breakdown and is skipped. Where a family has no
+    # series with the total value, the label is a partition instead (SGLang 0.5.23 with priority
+    # scheduling: scheduler-side families carry priority="", tokenizer-side ones only each request's
+    # own priority; sglang/srt/metrics/collector.py).
+    totals: tuple[tuple[str, str], ...] = ()
+    # Labels whose values split the requests into disjoint shares: summed (SGLang's is_streaming).
+    partitions: tuple[str, ...] = ()
+
+
+@dataclass
+class Selection:
+    """Per identity, field -> value; plus the reasons a field is None and page-level problems."""
+
+    values: dict[Identity, dict[str, object]] = field(default_factory=dict)
+    missing: dict[Identity, dict[str, str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    # Fields read from a series without an engine label while the model has several engines: one
+    # server-wide figure (SGLang's tokenizer-side families under --dp-size), not this engine's own.
+    server_wide: dict[Identity, set[str]] = field(default_factory=dict)
+
+
+def sample_names(spec: FamilySpec) -> tuple[str, ...]:
+    """The exact sample names a spec needs from the page."""
+    if spec.kind != "histogram":
+        return spec.names
+    return tuple(f"{base}{suffix}" for base in spec.names for suffix in ("_bucket", "_count", "_sum"))
+
+
+@dataclass(frozen=True)
+class Series:
+    """One sample with its labels already sorted into roles."""
+
+    labels: Labels
+    value: float
+    process: str  # the `pid` label, "" when absent
+    variant: tuple[tuple[str, str], ...]  # the remaining labels (tp_rank, method, ...)
+    share: tuple[tuple[str, str], ...] = ()  # partition labels: this series is one share of the total
+
+
+# sample name -> (model, engine or None when the series has no engine label) -> series
+Index = dict[str, dict[tuple[str, str | None], list[Series]]]
+
+
+def _total_labels(samples: list[tuple[Labels, float]], roles: EngineLabels) -> tuple[set[str], set[str]]:
+    """Which `totals` labels name a total series in this family, and which are partitions here."""
+    with_total = {label for label, total in roles.totals
+                  if any(labels.get(label, total) == total for labels, _ in samples)}
+    return with_total, {label for label, _ in roles.totals} - with_total
+
+
+def index_series(scan: PageScan, names: tuple[str, ...], roles: EngineLabels) -> Index:
+    """Sorts every wanted sample by model and engine once, so each identity reads only its own."""
+    skip = set(roles.model) | {roles.engine, roles.process, "le"} | {name for name, _ in roles.totals}
+    skip |= set(roles.partitions)
+    index: Index = {}
+    for name in names:
+        samples = scan.samples.get(name, [])
+        with_total, split_here = _total_labels(samples, roles) if roles.totals else (set(), set())
+        shares = tuple(sorted(split_here | set(roles.partitions)))
+        by_who: dict[tuple[str, str | None], list[Series]] = {}
+        for labels, value in samples:
+            if any(labels.get(k, v) != v for k, v in roles.totals if k in with_total):
+                continue  # a breakdown (e.g. one priority), not the total
+            model = next((labels[label] for label in roles.model if label in labels), "")
+            engine = labels.get(roles.engine) if roles.engine else None
+            variant = tuple(sorted((k, v) for k, v in labels.items() if k not in skip))
+            share = tuple((k, labels[k]) for k in shares if k in labels)
+            by_who.setdefault((model, engine), []).append(
+                Series(labels, value, labels.get(roles.process, ""), variant, share))
+        if by_who:
+            index[name] = by_who
+    return index
+
+
+def identities(index: Index) -> list[Identity]:
+    """Every (model_name, engine) on the page; a model seen only without an engine label is engine "0"."""
+    engines: dict[str, set[str]] = {}
+    for by_who in index.values():
+        for model, engine in by_who:
+            known = engines.setdefault(model, set())
+            if engine is not None:
+                known.add(engine)
+    return sorted((model, engine) for model, found in engines.items() for engine in (found or {"0"}))
+
+
+Found = tuple[Labels, float, str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]
+
+
+def _series_for(index: Index, spec: FamilySpec, name: str, who: Identity) -> list[Found]:
+    """This identity's series of `name`: its own plus its model's engine-less (server-wide) ones,
+    as (labels, value, process, variant, share)."""
+    by_who = index.get(name, {})
+    found = []
+    for series in by_who.get(who, []) + by_who.get((who[0], None), []):
+        variant = series.variant
+        if spec.match:
+            if any(series.labels.get(k) != v for k, v in spec.match):
+                continue
+            keys = {k for k, _ in spec.match}
+            variant = tuple(item for item in variant if item[0] not in keys)
+        found.append((series.labels, series.value, series.process, variant, series.share))
+    return found
+
+
+# variant -> share -> process -> value
+Groups = dict[tuple[tuple[str, str], ...], dict[tuple[tuple[str, str], ...], dict[str, float]]]
+
+
+def _merge_scalars(groups: Groups, kind: Kind) -> tuple[float, bool]:
+    """Per variant: shares summed; within a share, processes summed (counters: each process's part)
+    or the largest taken (gauges: each process's copy). Several variants: the largest."""
+    per_variant = [
+        sum(sum(by_pid.values()) if kind == "counter" else max(by_pid.values()) for by_pid in shares.values())
+        for shares in groups.values()
+    ]
+    return max(per_variant), len(per_variant) > 1
+
+
+def _scalar(index: Index, spec: FamilySpec, name: str, who: Identity, out: Selection) -> bool:
+    groups: Groups = {}
+    for labels, value, process, variant, share in _series_for(index, spec, name, who):
+        if not math.isfinite(value) or value < 0:
+            out.problems.append(f"{name}{labels} = {value}: not a valid {spec.kind} value, dropped")
+            out.missing[who][spec.field] = f"{name} was {value} (not a valid value)"
+            return True
+        groups.setdefault(variant, {}).setdefault(share, {})[process] = value
+    if not groups:
+        return False
+    value, several = _merge_scalars(groups, spec.kind)
+    if several:
+        out.problems.append(f"{name} has {len(groups)} series for {who}: took the largest")
+    out.values[who][spec.field] = value
+    return True
+
+
+def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Selection) -> bool:
+    # per (variant, process, share): buckets by le, count, sum; processes and shares are then summed
+    parts: dict[tuple, dict[str, object]] = {}
+    for suffix in ("_bucket", "_count", "_sum"):
+        for labels, value, process, variant, share in _series_for(index, spec, base + suffix, who):
+            part = parts.setdefault((variant, process, share), {"buckets": []})
+            if suffix == "_bucket":
+                edge = _edge(labels.get("le"))
+                if edge is None:
+                    continue
+                part["buckets"].append((edge, value))  # type: ignore[union-attr]
+            else:
+                part[suffix] = value
+    if not parts:
+        return False
+    built: dict[tuple, list[Histogram]] = {}
+    for (variant, _process, _share), part in parts.items():
+        histogram, why = histogram_from_samples(part["buckets"], part.get("_count"), part.get("_sum"))  # type: ignore[arg-type]
+        if histogram is None:
+            out.problems.append(f"histogram {base} for {who} dropped: {why}")
+            out.missing[who][spec.field] = f"{base} {why}"
+            return True
+        built.setdefault(variant, []).append(histogram)
+    merged = [_sum_histograms(hs) for hs in built.values()]
+    if any(h is None for h in merged):
+        out.problems.append(f"histogram {base} for {who} dropped: processes disagree on bucket edges")
+        out.missing[who][spec.field] = f"{base} processes disagree on bucket edges"
+        return True
+    if len(merged) > 1:
+        out.problems.append(f"{base} has {len(merged)} series for {who}: took the one with most observations")
+    out.values[who][spec.field] = max(merged, key=lambda h: h.count)  # type: ignore[union-attr,return-value]
+    return True
+
+
+def _edge(le: str | None) -> float | None:
+    return parse_value(le.strip()) if le is not None else None
+
+
+def _sum_histograms(histograms: list[Histogram]) -> Histogram | None:
+    """Sum of per-process (multiprocess) or per-share histograms; None if their edges differ."""
+    first = histograms[0]
+    if len(histograms) == 1:
+        return first
+    edges = [le for le, _ in first.buckets]
+    if any([le for le, _ in h.buckets] != edges for h in histograms):
+        return None
+    counts = [sum(h.buckets[i][1] for h in histograms) for i in range(len(edges))]
+    return Histogram(
+        buckets=tuple(zip(edges, counts)),
+        count=sum(h.count for h in histograms),
+        sum=sum(h.sum for h in histograms),
+    )
+
+
+def select(index: Index, specs: tuple[FamilySpec, ...], who_all: list[Identity]) -> Selection:
+    """Reads every spec's field for every identity; the first family present wins (even if invalid)."""
+    out = Selection()
+    engines_of: dict[str, int] = {}
+    for model, _ in who_all:
+        engines_of[model] = engines_of.get(model, 0) + 1
+    for who in who_all:
+        out.values[who] = {}
+        out.missing[who] = {}
+        out.server_wide[who] = set()
+        for spec in specs:
+            reader: Callable[..., bool] = _histogram if spec.kind == "histogram" else _scalar
+            name = next((name for name in spec.names if reader(index, spec, name, who, out)), None)
+            if name is None:
+                if not spec.optional:
+                    out.missing[who][spec.field] = f"no {' or '.join(spec.names)} on the page"
+            elif engines_of[who[0]] > 1 and _only_engine_less(index, spec, name, who):
+                out.server_wide[who].add(spec.field)
+    return out
+
+
+def _only_engine_less(index: Index, spec: FamilySpec, name: str, who: Identity) -> bool:
+    sample = name + "_count" if spec.kind == "histogram" else name
+    by_who = index.get(sample, {})
+    return not by_who.get(who) and bool(by_who.get((who[0], None)))
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One server kind: the families it reads, its labels, and its own finishing step."""
+
+    kind: str
+    specs: tuple[FamilySpec, ...]
+    roles: EngineLabels
+    # Fields this engine never offers, with the reason `missing` gives.
+    not_offered: tuple[tuple[str, str], ...] = ()
+    # Counters the engine creates only at their first increment: absent on a page that is otherwise
+    # this engine's means 0 so far (SGLang's num_retracted_requests_total).
+    absent_means_zero: tuple[str, ...] = ()
+    extra_names: tuple[str, ...] = ()  # further exact sample names `finish` reads
+    finish: Callable[[PageScan, Selection, list[Identity]], None] | None = None
+
+    # Both are fixed by the specs and asked for several times per page: built once per adapter.
+    @cached_property
+    def _sample_names(self) -> tuple[str, ...]:
+        return tuple(name for spec in self.specs for name in sample_names(spec))
+
+    @cached_property
+    def _core_names(self) -> tuple[str, ...]:
+        # Optional refinements do not make a page this engine's (a truncated histogram alone).
+        return tuple(name for spec in self.specs if not spec.optional for name in sample_names(spec))
+
+    @cached_property
+    def _wanted(self) -> frozenset[str]:
+        return frozenset(self._sample_names + self.extra_names)
+
+    def sample_names(self) -> tuple[str, ...]:
+        return self._sample_names
+
+    def wanted(self) -> frozenset[str]:
+        return self._wanted
+
+    def families_present(self, scan: PageScan) -> int:
+        """How many of this engine's families have samples on the page (for kind detection)."""
+        return sum(1 for name in self._core_names if scan.samples.get(name))

@@ -1,0 +1,556 @@
+"""The poll loop: every `poll_interval`, discover targets, fetch every /metrics concurrently, read
+each page, and publish the latest Readings for the collector and the alert loop.
+
+Why a poll loop and not fetch-on-scrape: measured step time and prefill per step are deltas
+between two readings of a server's counters; every scraper must see the same deltas (DESIGN §2).
+
+Failure handling: a fetch is bounded by a (connect, read) timeout AND an overall deadline checked
+between chunks (a server trickling a byte a second cannot hold a worker), and by a size cap. A
+target that fails exports `stepbudget_target_up 0`, logs one line with the reason, and keeps its
+last good values only until `stale_after`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Iterable, Protocol, Sequence
+
+import requests
+import structlog
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+from exporter import __version__
+
+from exporter.capacity import model
+from exporter.serve.config import Config, Deployment, Tls
+from exporter.serve.discovery import Discovery, Target
+from exporter.serve.reading import Reading, derive_reading, server_wide_reading
+
+log = structlog.get_logger("stepbudget.poller")
+
+CHUNK_BYTES = 65536
+MAX_FETCH_WORKERS = 32
+MAX_CACHED_REQUESTS = 100_000
+
+
+class FetchError(Exception):
+    """A fetch failed; `reason` is the short phrase logged and shown on the landing page."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Fetch(Protocol):
+    def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str: ...
+
+
+# --- the overall deadline -------------------------------------------------------------------------
+#
+# requests' timeouts are per socket operation: a server that trickles one byte per second never
+# trips them, in the headers or in the body. Two guards make the deadline hold:
+#  - the body is read one recv at a time with the (injectable) clock checked between reads;
+#  - a watchdog thread shuts down the sockets of a fetch still running at its deadline, which
+#    unblocks a recv stuck anywhere (TLS handshake, status line, headers, body).
+# The fetch's sockets are known through urllib3 connection classes that report them.
+
+_fetch_sockets = threading.local()  # .sockets: the list the current thread's fetch collects into
+
+
+def _track(sock: socket.socket | None) -> None:
+    collected = getattr(_fetch_sockets, "sockets", None)
+    if sock is not None and collected is not None and sock not in collected:
+        collected.append(sock)
+
+
+class _TrackedHTTPConnection(HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        _track(self.sock)
+
+    def request(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        _track(self.sock)  # a reused keep-alive connection is not connected again
+        super().request(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class _TrackedHTTPSConnection(HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        _track(self.sock)
+
+    def request(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        _track(self.sock)
+        super().request(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class _TrackedHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _TrackedHTTPConnection
+
+
+class _TrackedHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _TrackedHTTPSConnection
+
+
+class _TrackingAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        super().init_poolmanager(*args, **kwargs)  # type: ignore[arg-type]
+        self.poolmanager.pool_classes_by_scheme = {"http": _TrackedHTTPPool, "https": _TrackedHTTPSPool}
+
+
+@dataclass
+class _Armed:
+    deadline: float
+    sockets: list[socket.socket]
+    fired: bool = False
+    done: bool = False
+
+
+class _Watchdog:
+    """One thread for all fetches: at a fetch's deadline, shut its sockets down."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._heap: list[tuple[float, int, _Armed]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, timeout_seconds: float) -> _Armed:
+        armed = _Armed(time.monotonic() + timeout_seconds, [])
+        with self._condition:
+            heapq.heappush(self._heap, (armed.deadline, next(self._order), armed))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stepbudget-fetch-watchdog", daemon=True)
+                self._thread.start()
+            if self._heap[0][2] is armed:
+                # Wake the watchdog only for a new earliest deadline: with one timeout for every
+                # fetch that is only the first of a poll, not a thread switch per target.
+                self._condition.notify()
+        return armed
+
+    def disarm(self, armed: _Armed) -> None:
+        with self._condition:
+            armed.done = True  # left in the heap; dropped when its deadline comes
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._heap:
+                    self._condition.wait()
+                deadline, _, armed = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._condition.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                if armed.done:
+                    continue
+                armed.fired = True
+                sockets = list(armed.sockets)
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
+
+
+_WATCHDOG = _Watchdog()
+
+
+class HttpFetcher:
+    """GET with one shared Session (connection reuse), timeouts, an overall deadline and a size cap."""
+
+    def __init__(self, timeout_seconds: float, max_response_bytes: int, *,
+                 clock: Callable[[], float] = time.monotonic, session: requests.Session | None = None) -> None:
+        self.timeout_seconds = timeout_seconds
+        self.max_response_bytes = max_response_bytes
+        self._clock = clock
+        self._session = session or requests.Session()
+        # One pool per host:port (a fleet has hundreds), each as deep as the fetch pool.
+        adapter = _TrackingAdapter(pool_connections=1024, pool_maxsize=MAX_FETCH_WORKERS)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._session.headers["User-Agent"] = f"stepbudget/{__version__}"
+        # Ask for the text format: some servers answer OpenMetrics or protobuf on content negotiation.
+        self._session.headers["Accept"] = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+        self._requests: dict[tuple[str, str | None], requests.PreparedRequest] = {}
+        self._settings: dict[tuple[str, bool | str], dict[str, object]] = {}
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        armed = _WATCHDOG.arm(self.timeout_seconds)
+        _fetch_sockets.sockets = armed.sockets
+        try:
+            text = self._fetch(url, bearer_token, tls)
+        except FetchError:
+            if armed.fired:
+                raise FetchError(f"timed out after {self.timeout_seconds:g}s") from None
+            raise
+        finally:
+            _WATCHDOG.disarm(armed)
+            _fetch_sockets.sockets = None
+        if armed.fired:  # a body cut short by the watchdog can read as a clean end: never use it
+            raise FetchError(f"timed out after {self.timeout_seconds:g}s")
+        return text
+
+    def _fetch(self, url: str, bearer_token: str | None, tls: Tls) -> str:
+        deadline = self._clock() + self.timeout_seconds
+        verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
+        try:
+            response = self._session.send(self._prepared(url, bearer_token), allow_redirects=True,
+                                          timeout=(self.timeout_seconds, self.timeout_seconds),
+                                          **self._environment(url, verify))
+        except requests.Timeout:
+            raise FetchError(f"timed out after {self.timeout_seconds:g}s") from None
+        except requests.exceptions.SSLError as error:
+            raise FetchError(f"TLS error: {_short(error)}") from None
+        except requests.ConnectionError as error:
+            raise FetchError(f"connection failed: {_short(error)}") from None
+        except requests.RequestException as error:
+            raise FetchError(f"request failed: {_short(error)}") from None
+        with response:
+            if response.status_code != 200:
+                raise FetchError(f"HTTP {response.status_code}")
+            declared = response.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                raise FetchError(f"response over {self.max_response_bytes} bytes")
+            body = self._read_body(response, deadline)
+        # The text exposition format is UTF-8 whatever the header says (Prometheus's exposition_formats
+        # spec); `requests` would guess ISO-8859-1 for a text/plain without charset and garble names.
+        return body.decode("utf-8", errors="replace")
+
+    # Session.get rebuilds the request and re-reads the proxy environment and ~/.netrc at every call:
+    # over a third of a poll's CPU (benchmarks/results/profile_before.txt). Both are the same for a
+    # target from one poll to the next, so they are built once per (URL, token) and (URL, verify).
+
+    def _prepared(self, url: str, bearer_token: str | None) -> requests.PreparedRequest:
+        key = (url, bearer_token)
+        prepared = self._requests.get(key)
+        if prepared is None:
+            if len(self._requests) > MAX_CACHED_REQUESTS:
+                self._requests.clear()  # targets come and go: never grow without bound
+            headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
+            prepared = self._session.prepare_request(requests.Request("GET", url, headers=headers))
+            self._requests[key] = prepared
+        return prepared
+
+    def _environment(self, url: str, verify: bool | str) -> dict[str, object]:
+        """Proxies, CA bundle and the like from the environment, as Session.get would apply them."""
+        key = (url, verify)
+        settings = self._settings.get(key)
+        if settings is None:
+            if len(self._settings) > MAX_CACHED_REQUESTS:
+                self._settings.clear()
+            settings = self._session.merge_environment_settings(url, {}, True, verify, None)
+            self._settings[key] = settings
+        return settings
+
+    def _read_body(self, response: requests.Response, deadline: float) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        raw = response.raw
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body")
+            try:
+                # read1: return what one recv gives, so the deadline is checked between trickled bytes.
+                chunk = raw.read1(CHUNK_BYTES, decode_content=True)
+            except Exception as error:  # noqa: BLE001 - urllib3 raises several kinds mid-body
+                if "timed out" in str(error).lower():
+                    raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body") from None
+                raise FetchError(f"body read failed: {_short(error)}") from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self.max_response_bytes:
+                raise FetchError(f"response over {self.max_response_bytes} bytes")
+            chunks.append(chunk)
+
+
+def _short(error: BaseException) -> str:
+    text = str(error)
+    # urllib3 nests the useful part: "... (Caused by NewConnectionError('...: [Errno 111] Connection refused'))"
+    for marker in ("Connection refused", "Name or service not known", "No route to host",
+                   "Connection reset", "Remote end closed", "certificate verify failed"):
+        if marker in text:
+            return marker
+    return text[:200]
+
+
+@dataclass
+class TargetState:
+    """What the poller remembers about one target between polls."""
+
+    target: Target
+    kind: str | None = None
+    last_error: str | None = None
+    last_success_seconds: float | None = None
+    # Last good snapshot per (model_name, engine), the window's previous reading.
+    previous: dict[tuple[str, str], object] = field(default_factory=dict)
+    readings: list[Reading] = field(default_factory=list)
+    # What was last logged about the page, so a lasting condition is logged once per change.
+    problems: tuple[str, ...] = ()
+    page_settings: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class PollResult:
+    readings: tuple[Reading, ...]
+    finished_at_seconds: float
+
+
+PollListener = Callable[[PollResult], None]
+
+
+class Poller:
+    """Owns the targets' state; `poll_once` is the whole cycle, called by the scheduler or by tests."""
+
+    def __init__(self, config: Config, discovery: Discovery, fetch: Fetch, *,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+                 read_page: Callable[..., object] | None = None,
+                 compute_window: Callable[..., object] | None = None) -> None:
+        if read_page is None or compute_window is None:
+            from exporter.serve.engines import read_page as default_read_page
+            from exporter.serve.window import compute_window as default_compute_window
+
+            read_page = read_page or default_read_page
+            compute_window = compute_window or default_compute_window
+        self.config = config
+        self._deployments = {deployment.name: deployment for deployment in config.deployments}
+        self._discovery = discovery
+        self._fetch = fetch
+        self._clock = clock
+        self._monotonic = monotonic
+        self._read_page = read_page
+        self._compute_window = compute_window
+        self._states: dict[tuple[str, str], TargetState] = {}
+        self._lock = threading.Lock()
+        self._readings: tuple[Reading, ...] = ()
+        self._polls_done = 0
+        self._listeners: list[PollListener] = []
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
+                                                               thread_name_prefix="stepbudget-fetch")
+        self._scheduler: object | None = None
+
+    # --- what others read -----------------------------------------------------------------------
+
+    def add_listener(self, listener: PollListener) -> None:
+        self._listeners.append(listener)
+
+    @property
+    def ready(self) -> bool:
+        return self._polls_done > 0
+
+    def readings(self) -> tuple[Reading, ...]:
+        return self._readings
+
+    def target_states(self) -> list[TargetState]:
+        with self._lock:
+            return list(self._states.values())
+
+    # --- the cycle ------------------------------------------------------------------------------
+
+    def poll_once(self) -> PollResult:
+        targets = self._discovery.discover()
+        self._forget_gone(targets)
+        tokens = self._bearer_tokens(targets)
+        futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
+        for target in targets:
+            try:
+                futures[target.key] = self._executor.submit(self._poll_target, target, tokens[target.deployment])
+            except RuntimeError:  # stop() shut the pool down while this cycle was still submitting
+                break
+        readings: list[Reading] = []
+        abandoned = 0
+        for target in targets:
+            future = futures.get(target.key)
+            if future is None:
+                abandoned += 1
+                continue
+            try:
+                readings.extend(future.result())
+            except concurrent.futures.CancelledError:
+                abandoned += 1  # stop() cancelled the queued fetches: the daemon is shutting down
+            except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
+                log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+        if abandoned:
+            # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
+            log.info("poll_cycle_abandoned", reason="stopping", targets_not_polled=abandoned)
+            return PollResult(self._readings, self._clock())
+        result = PollResult(tuple(readings), self._clock())
+        self._readings = result.readings
+        self._polls_done += 1
+        for listener in self._listeners:
+            try:
+                listener(result)
+            except Exception:  # noqa: BLE001
+                log.exception("poll_listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
+        return result
+
+    def _forget_gone(self, targets: Sequence[Target]) -> None:
+        current = {target.key for target in targets}
+        with self._lock:
+            for key in [key for key in self._states if key not in current]:
+                gone = self._states.pop(key)
+                log.info("target_removed", deployment=gone.target.deployment, target=gone.target.target)
+            for target in targets:
+                if target.key not in self._states:
+                    self._states[target.key] = TargetState(target)
+
+    def _bearer_tokens(self, targets: Sequence[Target]) -> dict[str, str | None | Exception]:
+        """Each deployment's bearer token (or why it cannot be read), read once per poll: a token
+        file is one file for all of a deployment's targets, not one read per target per poll."""
+        tokens: dict[str, str | None | Exception] = {}
+        for name in {target.deployment for target in targets}:
+            try:
+                tokens[name] = self._deployments[name].auth.bearer_token()
+            except Exception as error:  # noqa: BLE001 - OSError (token file) and the like: each target fails
+                tokens[name] = error
+        return tokens
+
+    def _poll_target(self, target: Target, bearer_token: str | None | Exception) -> list[Reading]:
+        deployment = self._deployments[target.deployment]
+        state = self._states[target.key]
+        started = self._monotonic()
+        if isinstance(bearer_token, Exception):
+            return self._failed(state, _reason(bearer_token), self._monotonic() - started)
+        try:
+            text = self._fetch(target.url, bearer_token=bearer_token, tls=deployment.tls)
+            page = self._read_page(text, deployment.kind)
+        except Exception as error:  # noqa: BLE001 - FetchError, PageError, anything
+            return self._failed(state, _reason(error), self._monotonic() - started)
+        duration = self._monotonic() - started
+        return self._succeeded(state, deployment, page, duration)
+
+    def _failed(self, state: TargetState, reason: str, duration_seconds: float) -> list[Reading]:
+        now = self._clock()
+        if reason != state.last_error:
+            # One line per change of state, not one per poll: a target down for hours is not log spam.
+            log.warning("target_down", deployment=state.target.deployment, target=state.target.target,
+                        url=state.target.url, reason=reason)
+        state.last_error = reason
+        fresh = state.last_success_seconds is not None and now - state.last_success_seconds < self.config.stale_after_seconds
+        if state.readings:
+            state.readings = [reading.down(scrape_duration_seconds=duration_seconds, keep_values=fresh)
+                              for reading in state.readings]
+        else:
+            target = state.target
+            state.readings = [Reading(deployment=target.deployment, target=target.target, namespace=target.namespace,
+                                      pod=target.pod, target_up=False, scrape_duration_seconds=duration_seconds)]
+        return state.readings
+
+    def _succeeded(self, state: TargetState, deployment: Deployment, page: object,
+                   duration_seconds: float) -> list[Reading]:
+        now = self._clock()
+        kind = getattr(page, "kind")
+        target = state.target
+        if kind != state.kind:
+            log.info("kind_detected", deployment=deployment.name, target=target.target, kind=kind,
+                     engines=[f"{s.model_name}/{s.engine}" for s in page.snapshots])  # type: ignore[attr-defined]
+        if state.last_error is not None:
+            log.info("target_up", deployment=deployment.name, target=target.target, after=state.last_error)
+        problems = tuple(getattr(page, "problems", ()))
+        if problems != state.problems:
+            # Once per change: a page that stays truncated or odd for hours is one line, not one a poll.
+            for problem in problems:
+                log.warning("page_problem", deployment=deployment.name, target=target.target, reason=problem)
+            if state.problems and not problems:
+                log.info("page_problems_cleared", deployment=deployment.name, target=target.target)
+            state.problems = problems
+        readings, previous = [], {}
+        server_wide: dict[str, tuple[list[Reading], object]] = {}
+        for snapshot in page.snapshots:  # type: ignore[attr-defined]
+            identity = (snapshot.model_name, snapshot.engine)
+            window = self._compute_window(state.previous.get(identity), snapshot)
+            if getattr(window, "counter_reset", False):
+                log.info("counter_reset", deployment=deployment.name, target=target.target,
+                         model_name=snapshot.model_name, engine=snapshot.engine,
+                         notes=list(getattr(window, "notes", ())))
+            reading = derive_reading(deployment, target, snapshot, window, now_seconds=now,
+                                     scrape_duration_seconds=duration_seconds)
+            readings.append(reading)
+            previous[identity] = snapshot
+            if "inter_token_latency" in snapshot.server_wide:
+                server_wide.setdefault(snapshot.model_name, ([], window))[0].append(reading)
+        for ranks, window in server_wide.values():
+            whole = server_wide_reading(ranks, window)  # type: ignore[arg-type]
+            if whole is not None:
+                readings.append(whole)
+        self._log_page_settings(state, deployment, readings)
+        self._log_partial(state, readings)
+        state.kind, state.last_error, state.last_success_seconds = kind, None, now
+        state.previous, state.readings = previous, readings
+        return readings
+
+    def _log_page_settings(self, state: TargetState, deployment: Deployment, readings: Iterable[Reading]) -> None:
+        """The page's KV dtype and block size win over the config: say so once when they differ."""
+        configured = deployment.resolved.setup
+        settings = tuple(sorted({
+            (reading.engine, reading.kv_cache_dtype or "", str(reading.block_size_tokens or ""))
+            for reading in readings if reading.engine or reading.kv_cache_dtype
+        }))
+        if settings == state.page_settings:
+            return
+        state.page_settings = settings
+        for engine, dtype, block_size in settings:
+            page_bytes = model.DTYPE_BYTES.get(dtype.lower()) if dtype else None
+            dtype_differs = page_bytes is not None and page_bytes != configured.kv_bytes_per_element
+            block_differs = bool(block_size) and int(block_size) != configured.block_size_tokens
+            if dtype_differs or block_differs:
+                log.warning("page_overrides_config", deployment=deployment.name, target=state.target.target,
+                            engine=engine, page_kv_cache_dtype=dtype or None,
+                            configured_kv_cache_dtype=deployment.kv_cache_dtype,
+                            page_block_size=int(block_size) if block_size else None,
+                            configured_block_size=configured.block_size_tokens,
+                            using="the page's settings")
+
+    def _log_partial(self, state: TargetState, readings: Iterable[Reading]) -> None:
+        """Log the values a page does not allow, once per change, so a partial reading is never
+        silent; the routine gaps of a window (first poll, idle) are not logged."""
+        for reading in readings:
+            previous = next((r for r in state.readings if r.identity == reading.identity and r.target_up), None)
+            if reading.lacking != (previous.lacking if previous is not None else ()):
+                log.info("reading_partial", deployment=reading.deployment, target=reading.target,
+                         model_name=reading.model_name, engine=reading.engine, left_out=list(reading.lacking),
+                         notes=list(reading.notes))
+
+    # --- scheduling -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Poll now, then every poll_interval, in a background scheduler thread."""
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        interval = self.config.poll_interval_seconds
+        scheduler = BackgroundScheduler(timezone="UTC")
+        # max_instances=1 + coalesce: a poll slower than the interval skips runs instead of piling up;
+        # misfire grace of one interval: a late run still happens rather than being dropped.
+        scheduler.add_job(self.poll_once, "interval", seconds=interval, id="poll", max_instances=1,
+                          coalesce=True, misfire_grace_time=max(1, int(interval)),
+                          next_run_time=datetime.now(timezone.utc))
+        scheduler.start()
+        self._scheduler = scheduler
+
+    def stop(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)  # type: ignore[attr-defined]
+            self._scheduler = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(error: BaseException) -> str:
+    reason = getattr(error, "reason", None)
+    if isinstance(reason, str) and reason:
+        detail = str(error)
+        return detail if detail.startswith(reason) else reason
+    return f"{type(error).__name__}: {error}"[:300]

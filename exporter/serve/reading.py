@@ -1,0 +1,302 @@
+"""One Reading per (deployment, target, model_name, engine): everything the daemon exports and alerts on.
+
+`derive_reading` is the only place where a Snapshot, its Window and the deployment's model meet.
+A value that cannot be derived (the page lacks it, or it is NaN, infinite or negative) is None and
+its reason goes into `notes`: the collector leaves None out of the export, so a missing number is
+never shown as a valid 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from exporter.capacity import model
+
+if TYPE_CHECKING:
+    from exporter.serve.config import Deployment
+    from exporter.serve.discovery import Target
+    from exporter.serve.snapshot import Snapshot
+    from exporter.serve.window import Window
+
+# Token budget of a sliding-window or MoE model depends on the context per request; an idle
+# server has none, so the budget is quoted for this typical chat context.
+IDLE_CONTEXT_TOKENS = 2000.0
+
+# The per-target values the collector exports (every stepbudget_<name> but target_up).
+VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
+                "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
+                "preemptions_total", "prefill_tokens_per_step", "step_read_bytes", "predicted_step_seconds",
+                "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
+                "measured_step_median_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
+                "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio")
+# Values measured over the window between two polls: absent on a first poll, an idle window or a
+# counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
+WINDOW_FIELDS = ("measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio",
+                 "prefill_tokens_per_step")
+
+
+# Why an exported value is an estimate (the `reason` label of stepbudget_estimated_info).
+ESTIMATE_REASONS = {
+    "model_capacity": "the page reports no KV capacity: the model's capacity for the configured GPU and memory",
+    "hybrid_kv_blocks": "hybrid KV cache (sliding-window and full-attention groups share one block pool): "
+                        "derived from block usage, assuming equal contexts",
+}
+
+
+@dataclass(frozen=True)
+class Reading:
+    deployment: str
+    target: str
+    model_name: str = ""
+    engine: str = ""
+    namespace: str | None = None
+    pod: str | None = None
+    target_up: bool = False
+    scrape_duration_seconds: float | None = None
+    last_success_timestamp_seconds: float | None = None
+    tokens_in_flight: float | None = None
+    kv_cache_capacity_tokens: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    preemptions_total: float | None = None
+    prefill_tokens_per_step: float | None = None
+    step_read_bytes: float | None = None
+    predicted_step_seconds: float | None = None
+    predicted_memory_step_seconds: float | None = None
+    predicted_compute_step_seconds: float | None = None
+    measured_step_seconds: float | None = None
+    measured_step_median_seconds: float | None = None
+    prediction_error_ratio: float | None = None
+    predicted_user_tokens_per_second: float | None = None
+    step_budget_seconds: float | None = None
+    token_budget_tokens: float | None = None
+    token_budget_utilization_ratio: float | None = None
+    effective_bandwidth_bytes_per_second: float | None = None
+    bandwidth_source: str | None = None
+    kind: str | None = None  # vllm | sglang | tgi
+    # The KV cache dtype and block size predicted with: the page's own where it says them.
+    kv_cache_dtype: str | None = None
+    block_size_tokens: int | None = None
+    # Exported values that are estimates, not read off the page: (value name, reason code), see
+    # ESTIMATE_REASONS; exported as stepbudget_estimated_info.
+    estimated: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    # Exported values left out for a lasting reason (the page lacks them, or gives unusable numbers).
+    lacking: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The series labels. Empty values are left out: Prometheus drops empty labels on ingest,
+        and the alert loop must send exactly the label set the rules produce."""
+        labels = {"deployment": self.deployment, "target": self.target,
+                  "model_name": self.model_name, "engine": self.engine,
+                  "namespace": self.namespace or "", "pod": self.pod or ""}
+        return {name: value for name, value in labels.items() if value}
+
+    @property
+    def identity(self) -> tuple[str, str, str, str]:
+        return (self.deployment, self.target, self.model_name, self.engine)
+
+    def down(self, *, scrape_duration_seconds: float, keep_values: bool) -> "Reading":
+        """This reading after a failed poll: up 0; values kept only while not yet stale."""
+        if keep_values:
+            return replace(self, target_up=False, scrape_duration_seconds=scrape_duration_seconds)
+        return Reading(deployment=self.deployment, target=self.target, model_name=self.model_name,
+                       engine=self.engine, namespace=self.namespace, pod=self.pod, target_up=False,
+                       scrape_duration_seconds=scrape_duration_seconds,
+                       last_success_timestamp_seconds=self.last_success_timestamp_seconds)
+
+
+def _valid(value: float | None, name: str, notes: list[str], *, upper: float | None = None) -> float | None:
+    """None for a value no one can trust (NaN, infinite, negative, or over `upper`), with a note."""
+    if value is None:
+        return None
+    if not math.isfinite(value) or value < 0 or (upper is not None and value > upper):
+        notes.append(f"{name}: unusable value {value!r} left out")
+        return None
+    return float(value)
+
+
+@lru_cache(maxsize=256)
+def page_setup(setup: model.ServingSetup, kv_cache_dtype: str | None, block_size_tokens: int | None
+               ) -> model.ServingSetup:
+    """The deployment's setup with the KV dtype and block size the server itself reports: the page
+    knows what the server runs with, the config only what someone wrote down."""
+    changes: dict[str, object] = {}
+    if kv_cache_dtype is not None and kv_cache_dtype.lower() in model.DTYPE_BYTES:
+        page_bytes = model.DTYPE_BYTES[kv_cache_dtype.lower()]
+        if page_bytes != setup.kv_bytes_per_element:
+            changes["kv_bytes_per_element"] = page_bytes
+    if block_size_tokens is not None and block_size_tokens != setup.block_size_tokens:
+        changes["block_size_tokens"] = block_size_tokens
+    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Occupancy:
+    tokens_in_flight: float | None
+    capacity_tokens: float
+    usage_ratio: float | None
+    estimated: tuple[tuple[str, str], ...]
+
+
+def _occupancy(setup: model.ServingSetup, snapshot: "Snapshot", running: float | None, notes: list[str]
+               ) -> _Occupancy:
+    """Tokens in flight, capacity and usage: from the page, converted for hybrid KV where needed."""
+    usage = _valid(snapshot.kv_cache_usage_ratio, "kv_cache_usage_ratio", notes, upper=1.0)
+    capacity = _valid(snapshot.kv_cache_capacity_tokens, "kv_cache_capacity_tokens", notes)
+    estimated: list[tuple[str, str]] = []
+    if capacity is None or capacity == 0:
+        # The page does not say: the model's own capacity for this GPU and memory utilization.
+        capacity = float(model.kv_capacity_tokens(setup))
+        estimated.append(("kv_cache_capacity_tokens", "model_capacity"))
+        notes.append("kv_cache_capacity_tokens: from the model (the page does not report it)")
+    tokens = _valid(snapshot.tokens_in_flight, "tokens_in_flight", notes)
+    if tokens is not None and capacity > 0:
+        usage = min(1.0, tokens / capacity)  # SGLang's token_usage is rounded to 2 decimals
+    elif tokens is None and usage is not None:
+        layout = model.hybrid_kv_layout(setup.architecture, setup.block_size_tokens)
+        if layout is not None and snapshot.kind == "vllm" and snapshot.kv_cache_blocks and running:
+            # vLLM's usage is 1 - free/(blocks - 1) over one pool shared by every KV group
+            # (0.33.0 vllm/v1/core/block_pool.py l. 921-932): not a share of context tokens.
+            used_blocks = usage * (snapshot.kv_cache_blocks - 1)
+            context = model.context_from_blocks(layout, used_blocks / running, setup.block_size_tokens)
+            tokens = context * running
+            capacity = tokens / usage if usage > 0 else capacity
+            estimated += [("tokens_in_flight", "hybrid_kv_blocks"), ("kv_cache_capacity_tokens", "hybrid_kv_blocks")]
+        else:
+            tokens = usage * capacity
+            if estimated:
+                estimated.append(("tokens_in_flight", "model_capacity"))
+    if usage is None and tokens is not None and capacity > 0:
+        usage = min(1.0, tokens / capacity)
+    return _Occupancy(tokens, capacity, usage, tuple(dict.fromkeys(estimated)))
+
+
+def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapshot", window: "Window | None", *,
+                   now_seconds: float, scrape_duration_seconds: float) -> Reading:
+    """Everything derivable from one snapshot, its window over the previous one, and the model."""
+    notes: list[str] = list(snapshot.missing)
+    setup = page_setup(deployment.resolved.setup, snapshot.kv_cache_dtype, snapshot.block_size_tokens)
+    running = _valid(snapshot.requests_running, "requests_running", notes)
+    waiting = _valid(snapshot.requests_waiting, "requests_waiting", notes)
+    occupancy = _occupancy(setup, snapshot, running, notes)
+    tokens = occupancy.tokens_in_flight
+
+    measured_mean = measured_median = prefill = None
+    prefill_mix = None
+    server_wide = "inter_token_latency" in snapshot.server_wide
+    if window is not None:
+        if not server_wide:
+            measured_mean = _valid(window.measured_step_mean_seconds, "measured_step_seconds", notes)
+            measured_median = _valid(window.measured_step_median_seconds, "measured_step_median_seconds", notes)
+        prefill = _valid(window.prefill_tokens_per_step, "prefill_tokens_per_step", notes)
+        prefill_mix = window.prefill_mix
+        notes.extend(window.notes)
+    if server_wide:
+        notes.append("measured step: the page's ITL histogram is server-wide (no engine label): "
+                     "exported on the server-wide series, against a server-wide prediction")
+    if measured_mean == 0:
+        measured_mean = None  # a zero step time is no measurement
+    if prefill is None:
+        notes.append("prefill_tokens_per_step: unknown, predicting decode only")
+
+    budget_seconds = deployment.step_budget_seconds
+    reading = Reading(
+        deployment=deployment.name, target=target.target, model_name=snapshot.model_name,
+        engine=snapshot.engine, namespace=target.namespace, pod=target.pod, target_up=True,
+        scrape_duration_seconds=scrape_duration_seconds, last_success_timestamp_seconds=now_seconds,
+        tokens_in_flight=tokens, kv_cache_capacity_tokens=occupancy.capacity_tokens,
+        kv_cache_usage_ratio=occupancy.usage_ratio,
+        requests_running=running, requests_waiting=waiting,
+        preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
+        prefill_tokens_per_step=prefill,
+        measured_step_seconds=measured_mean, measured_step_median_seconds=measured_median,
+        step_budget_seconds=budget_seconds,
+        effective_bandwidth_bytes_per_second=setup.effective_bandwidth_bytes_per_second,
+        bandwidth_source=deployment.resolved.bandwidth_source, kind=snapshot.kind,
+        kv_cache_dtype=snapshot.kv_cache_dtype, block_size_tokens=setup.block_size_tokens,
+        estimated=occupancy.estimated,
+    )
+    if tokens is None or running is None:
+        notes.append("predicted_step_seconds: needs tokens in flight and running requests")
+        reading = replace(reading, token_budget_tokens=_token_budget(setup, budget_seconds, tokens, running),
+                          notes=tuple(notes))
+        return replace(reading, lacking=_lacking(reading, snapshot))
+    groups = model.groups_from_total(tokens, running)
+    prediction = model.predict_step(setup, groups, prefill or 0.0)
+    predicted = prediction.step_seconds
+    if prefill_mix:
+        # The mean of the window's steps, not the step at the mean prefill (DESIGN §2).
+        predicted = model.predict_mean_step(setup, groups, prefill_mix)
+    token_budget = _token_budget(setup, budget_seconds, tokens, running)
+    reading = replace(
+        reading,
+        step_read_bytes=prediction.read_bytes,
+        predicted_step_seconds=predicted,
+        predicted_memory_step_seconds=prediction.memory_seconds,
+        predicted_compute_step_seconds=prediction.compute_seconds,
+        predicted_user_tokens_per_second=1.0 / predicted,
+        prediction_error_ratio=(predicted - measured_mean) / measured_mean if measured_mean else None,
+        token_budget_tokens=token_budget,
+        token_budget_utilization_ratio=tokens / token_budget if token_budget else None,
+        notes=tuple(notes),
+    )
+    return replace(reading, lacking=_lacking(reading, snapshot))
+
+
+def server_wide_reading(readings: "list[Reading]", window: "Window | None") -> Reading | None:
+    """One series for a server whose ITL histogram covers all its engines (SGLang under --dp-size):
+    the measured step next to the prediction of the same thing, the engines' predictions weighted by
+    the tokens each generates (running / step), never one engine's prediction against it."""
+    ranks = [r for r in readings if r.predicted_step_seconds and r.requests_running]
+    if not readings:
+        return None
+    first = readings[0]
+    measured = median = None
+    if window is not None:
+        measured = window.measured_step_mean_seconds or None
+        median = window.measured_step_median_seconds
+    predicted = None
+    if ranks:
+        token_rate = sum(r.requests_running / r.predicted_step_seconds for r in ranks)  # type: ignore[operator]
+        predicted = sum(r.requests_running for r in ranks) / token_rate  # type: ignore[misc]
+    return Reading(
+        deployment=first.deployment, target=first.target, model_name=first.model_name, engine="",
+        namespace=first.namespace, pod=first.pod, target_up=True,
+        scrape_duration_seconds=first.scrape_duration_seconds,
+        last_success_timestamp_seconds=first.last_success_timestamp_seconds,
+        predicted_step_seconds=predicted, measured_step_seconds=measured, measured_step_median_seconds=median,
+        prediction_error_ratio=(predicted - measured) / measured if predicted and measured else None,
+        predicted_user_tokens_per_second=1.0 / predicted if predicted else None,
+        step_budget_seconds=first.step_budget_seconds, kind=first.kind,
+        notes=("server-wide: the ITL histogram has no engine label; prediction weighted by each engine's token rate",),
+    )
+
+
+def _lacking(reading: Reading, snapshot: "Snapshot") -> tuple[str, ...]:
+    """Exported values absent for a reason that lasts: not the routine gaps of a window."""
+    absent = [name for name in VALUE_FIELDS if _value_of(reading, name) is None]
+    routine = set(WINDOW_FIELDS)
+    if snapshot.inter_token_latency is None:
+        routine -= {"measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio"}
+    if snapshot.prompt_tokens_total is None or snapshot.engine_steps_total is None:
+        routine.discard("prefill_tokens_per_step")
+    return tuple(name for name in absent if name not in routine)
+
+
+def _value_of(reading: Reading, name: str) -> float | None:
+    return getattr(reading, name.removeprefix("target_"))
+
+
+def _token_budget(setup: model.ServingSetup, budget_seconds: float, tokens: float | None,
+                  running: float | None) -> float:
+    if model.budget_has_closed_form(setup):
+        return model.token_budget_tokens(setup, budget_seconds)
+    # Non-linear (sliding windows, MoE, a per-request cost): the budget depends on the context per request.
+    context = tokens / running if tokens and running else IDLE_CONTEXT_TOKENS
+    return model.token_budget_tokens(setup, budget_seconds, context)

@@ -1,0 +1,71 @@
+"""What an engine adapter reads off one model server's /metrics page at one poll.
+
+This is the contract between the engine adapters (exporter/serve/engines/) and everything downstream
+(window, model, reading, collector, alert loop). A value the page does not offer is None, never a
+guess; `missing` says which and why, so the daemon can log it and export only what it knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A classic Prometheus histogram at one instant: cumulative bucket counts by upper bound.
+
+    `buckets` is sorted by upper bound and ends with +Inf (whose count equals `count`). Bucket
+    edges come from the page; servers may override the defaults.
+    """
+
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    sum: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One engine (one `model_name` on one target page) at one poll."""
+
+    kind: str  # "vllm" | "sglang" | "tgi"
+    model_name: str
+    # The server's own engine index: vLLM's `engine` label (its data-parallel engine-core index),
+    # SGLang's dp rank; "0" where the page has none. Each engine has its own batch and KV cache,
+    # so each is its own reading and the exported `engine` label carries this value.
+    engine: str
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    kv_cache_usage_ratio: float | None = None  # 0–1
+    kv_cache_capacity_tokens: float | None = None
+    # Blocks in this engine's KV pool (vLLM: num_gpu_blocks, which the front end sums over
+    # data-parallel engines, divided back). Hybrid-KV models need it: there usage counts blocks
+    # across KV groups, not tokens.
+    kv_cache_blocks: float | None = None
+    # Engines that report used tokens directly (SGLang's num_used_tokens) fill this; otherwise
+    # the reading derives it as usage ratio x capacity.
+    tokens_in_flight: float | None = None
+    inter_token_latency: Histogram | None = None
+    # Every prompt token the server took in, prefix-cache hits included (vLLM counts a prompt's
+    # full length when its prefill finishes: vllm/v1/metrics/loggers.py, 0.33.0 l. 1262).
+    prompt_tokens_total: float | None = None
+    # Prompt tokens the engine computed itself: vLLM's prompt_tokens_by_source_total{source=
+    # "local_compute"} (0.33.0 loggers.py l. 1266). Cache hits and KV received from another instance
+    # (external_kv_transfer) cost no prefill compute and are not in it.
+    prompt_tokens_computed_total: float | None = None
+    # Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total).
+    prompt_tokens_cached_total: float | None = None
+    generation_tokens_total: float | None = None
+    preemptions_total: float | None = None
+    # Engine steps so far (vLLM: the count of the iteration-tokens histogram), for prefill per step.
+    engine_steps_total: float | None = None
+    # Tokens each engine step scheduled (vllm:iteration_tokens_total: computed prompt tokens plus
+    # sampled tokens, one observation per step), for predicting the mean over the step mix.
+    iteration_tokens: Histogram | None = None
+    block_size_tokens: int | None = None
+    # The KV cache dtype the server runs with (vllm:cache_config_info's cache_dtype): "auto" follows
+    # the model dtype, "fp8*" is one byte per element. It wins over the deployment config.
+    kv_cache_dtype: str | None = None
+    missing: tuple[str, ...] = field(default_factory=tuple)
+    # Fields that hold one server-wide figure rather than this engine's own (SGLang's tokenizer-side
+    # ITL histogram and token counters under --dp-size carry no dp_rank).
+    server_wide: tuple[str, ...] = field(default_factory=tuple)

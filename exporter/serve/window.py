@@ -1,0 +1,279 @@
+"""What happened between two polls of one engine: measured step time and prefill per step.
+
+Why deltas: the server's ITL histogram and token counters are cumulative since it started, so the
+step time *now* is the change between two readings, the way PromQL's `rate()` and
+`histogram_quantile()` read them. A counter that goes backwards means the server restarted: that
+window has no deltas at all (never negative or absurd numbers), and the next one starts afresh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from exporter.serve.snapshot import Histogram, Snapshot
+
+_SUM_WOBBLE = 1e-9
+_COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_tokens_cached_total",
+             "generation_tokens_total", "preemptions_total", "engine_steps_total")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Deltas between two snapshots of one engine; None where they cannot be known."""
+
+    measured_step_mean_seconds: float | None  # delta(ITL sum) / delta(ITL count)
+    measured_step_median_seconds: float | None  # histogram_quantile(0.5) over the bucket deltas
+    prefill_tokens_per_step: float | None  # delta(computed prompt tokens) / delta(engine steps)
+    tokens_generated: float | None  # delta(ITL count): observations in the window
+    counter_reset: bool  # some counter went backwards (server restart): no deltas this window
+    notes: tuple[str, ...]
+    # The window's mix of steps: (prefill tokens in the step, share of the steps), shares summing to
+    # 1, from the iteration-tokens bucket deltas; None where the page has no such histogram.
+    prefill_mix: tuple[tuple[float, float], ...] | None = None
+
+
+def histogram_quantile(quantile: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
+    """PromQL's classic `histogram_quantile` (prometheus/promql/quantile.go `bucketQuantile`).
+
+    Finds the bucket the rank falls in and interpolates linearly inside it; the first bucket's lower
+    bound is 0 (or its upper bound if that is <= 0); a rank in the +Inf bucket returns the upper
+    bound of the last finite bucket. None where PromQL returns NaN (no observations, no +Inf bucket,
+    fewer than two buckets).
+    """
+    ordered = sorted(buckets)
+    if len(ordered) < 2 or ordered[-1][0] != math.inf:
+        return None
+    counts: list[float] = []
+    for _, count in ordered:  # PromQL's ensureMonotonic: cumulative counts never go down
+        counts.append(max(count, counts[-1]) if counts else count)
+    observations = counts[-1]
+    if observations <= 0:
+        return None
+    rank = quantile * observations
+    index = next((i for i, count in enumerate(counts[:-1]) if count >= rank), len(counts) - 1)
+    if index == len(counts) - 1:
+        return ordered[-2][0]
+    upper = ordered[index][0]
+    if index == 0 and upper <= 0:
+        return upper
+    lower, below = (ordered[index - 1][0], counts[index - 1]) if index > 0 else (0.0, 0.0)
+    return lower + (upper - lower) * (rank - below) / (counts[index] - below)
+
+
+def _went_backwards(previous: Snapshot, current: Snapshot) -> list[str]:
+    backwards = []
+    for name in _COUNTERS:
+        before, now = getattr(previous, name), getattr(current, name)
+        if before is not None and now is not None and now < before:
+            backwards.append(name)
+    before_h, now_h = previous.inter_token_latency, current.inter_token_latency
+    if before_h is not None and now_h is not None:
+        # A float sum re-added across processes (multiprocess mode) may wobble in its last bits.
+        if now_h.count < before_h.count or now_h.sum < before_h.sum - _SUM_WOBBLE * max(1.0, abs(before_h.sum)):
+            backwards.append("inter_token_latency")
+        elif _same_edges(before_h, now_h) and any(
+            now < before for (_, before), (_, now) in zip(before_h.buckets, now_h.buckets)
+        ):
+            backwards.append("inter_token_latency buckets")
+    return backwards
+
+
+def _same_edges(a: Histogram, b: Histogram) -> bool:
+    return [le for le, _ in a.buckets] == [le for le, _ in b.buckets]
+
+
+def _delta(previous: Snapshot, current: Snapshot, name: str) -> float | None:
+    before, now = getattr(previous, name), getattr(current, name)
+    return None if before is None or now is None else now - before
+
+
+def _computed_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[str]) -> float | None:
+    """Prompt tokens the engine computed in the window: prefix-cache hits cost no prefill work.
+
+    vLLM's prompt_tokens_total counts a prompt's full length, cache hits included (0.33.0
+    vllm/v1/metrics/loggers.py l. 1262); prefix caching is on by default, so an agent re-sending a
+    long, mostly cached conversation would read as a huge prefill.
+    """
+    computed = _delta(previous, current, "prompt_tokens_computed_total")
+    if computed is not None:
+        return computed
+    prompt = _delta(previous, current, "prompt_tokens_total")
+    cached = _delta(previous, current, "prompt_tokens_cached_total")
+    if prompt is not None and cached is not None:
+        return max(0.0, prompt - cached)
+    if prompt is not None:
+        notes.append("prompt tokens include prefix-cache hits (the page has no computed-token count): "
+                     "prefill per step is an upper bound")
+    return prompt
+
+
+def _empty(reset: bool, *notes: str) -> Window:
+    return Window(None, None, None, None, reset, tuple(notes))
+
+
+def _step_times(previous: Histogram, current: Histogram, notes: list[str]) -> tuple[float | None, float | None, float]:
+    """(mean, median, observations) of the ITL observations made between the two readings."""
+    observations = current.count - previous.count
+    if observations <= 0:
+        notes.append("no new tokens in the window (idle)")
+        return None, None, observations
+    mean = max(0.0, current.sum - previous.sum) / observations
+    if not _same_edges(previous, current):
+        notes.append("ITL bucket edges changed between polls: no median this window")
+        return mean, None, observations
+    deltas = tuple((le, now - before) for (le, now), (_, before) in zip(current.buckets, previous.buckets))
+    return mean, histogram_quantile(0.5, deltas), observations
+
+
+# More iteration-tokens observations than the ITL count allows by this factor: several API servers
+# (N servers with requests spread over them observe about N per step).
+_STEP_OVERCOUNT = 1.8
+# The histogram's prefill share may differ from the computed-token counter by this much and still be
+# the same tokens (requests finishing between the two counters' updates).
+_MIX_AGREEMENT = 0.05
+
+
+def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[float | None, bool]:
+    """Engine steps in the window, and whether each iteration-tokens observation is a whole step.
+
+    With --api-server-count N > 1 every API server observes vllm:iteration_tokens_total for its own
+    requests' outputs of a step (0.33.0 vllm/v1/engine/async_llm.py l. 883-934; outputs are split by
+    client, vllm/v1/core/sched/scheduler.py l. 2511), so _count over-counts steps up to N times and
+    each observation is a share; nothing on the page says N. One ITL observation per decoding
+    request per step gives a second count: ITL observations / running requests.
+    """
+    steps = _delta(previous, current, "engine_steps_total")
+    itl_before, itl_now = previous.inter_token_latency, current.inter_token_latency
+    running = [r for r in (previous.requests_running, current.requests_running) if r]
+    if steps is None or steps <= 0 or itl_before is None or itl_now is None or len(running) < 2:
+        return steps, True
+    observations = itl_now.count - itl_before.count
+    steps_from_itl = observations / (sum(running) / len(running))
+    # Detect against the fewest running requests seen (the most steps the ITL allows), so a batch
+    # that shrank inside the window is not taken for several API servers.
+    if steps_from_itl > 0 and steps > _STEP_OVERCOUNT * observations / min(running):
+        notes.append(f"vllm:iteration_tokens_total counted {steps:.0f} steps where the ITL implies "
+                     f"{steps_from_itl:.0f} (several API servers?): steps taken from ITL / running")
+        return steps_from_itl, False
+    return steps, True
+
+
+def _prefill_per_step(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[float | None, bool]:
+    """Computed prompt tokens per engine step, and whether the step histogram is usable as a mix."""
+    steps, whole_steps = _steps(previous, current, notes)
+    computed = _computed_prompt_tokens(previous, current, notes) if steps is not None else None
+    if steps is None or computed is None:
+        notes.append("no prompt-token or engine-step counter: prefill per step unknown (decode only)")
+        return None, False
+    if steps <= 0:
+        return None, False
+    return computed / steps, whole_steps
+
+
+def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float | None, notes: list[str]
+                 ) -> tuple[tuple[float, float], ...] | None:
+    """The window's steps as (prefill tokens, share), from vllm:iteration_tokens_total's buckets.
+
+    Each observation is one step's computed prompt tokens plus its sampled tokens (0.23.0 on;
+    0.33.0 vllm/v1/metrics/loggers.py l. 1273). Releases before 0.23.0 observe the full prompt,
+    cache hits included (0.11.0 vllm/v1/metrics/stats.py l. 119-120): there the buckets disagree
+    with the computed-token count and are not used. A step's sampled tokens are taken as the
+    window's mean (generation tokens / steps); the rest of the step is prefill.
+    """
+    before_h, now_h = previous.iteration_tokens, current.iteration_tokens
+    steps = _delta(previous, current, "engine_steps_total")
+    generated = _delta(previous, current, "generation_tokens_total")
+    if (before_h is None or now_h is None or prefill_per_step is None or not steps or steps <= 0
+            or generated is None or not _same_edges(before_h, now_h)):
+        return None
+    decode_per_step = max(0.0, generated / steps)
+    histogram_prefill = (now_h.sum - before_h.sum) / steps - decode_per_step
+    if abs(histogram_prefill - prefill_per_step) > _MIX_AGREEMENT * max(prefill_per_step + decode_per_step, 1.0):
+        notes.append("vllm:iteration_tokens_total disagrees with the computed prompt tokens (a release that "
+                     "counts cache hits in it?): predicting at the mean prefill")
+        return None
+    bucket_deltas = [(le, now - before) for (le, now), (_, before) in zip(now_h.buckets, before_h.buckets)]
+    total_tokens = (decode_per_step + prefill_per_step) * steps
+    tokens = step_tokens_in_buckets(bucket_deltas, total_tokens, decode_per_step)
+    if tokens is None:
+        return None
+    count = sum(n for _, n in tokens)
+    return tuple((max(0.0, value - decode_per_step), n / count) for value, n in tokens)
+
+
+def step_tokens_in_buckets(cumulative: list[tuple[float, float]], total_tokens: float, typical_tokens: float
+                           ) -> list[tuple[float, float]] | None:
+    """(tokens per step, steps) for each occupied bucket, consistent with the known total.
+
+    A histogram says how many steps fell in each (lower, upper] bucket, not where inside it. Each
+    bucket starts at its middle (the bucket holding the typical decode-only step, at that step;
+    +Inf at its lower edge); the difference to the known total is then spread over the buckets in
+    proportion to the room each has in that direction, never below the typical step and never past
+    a finite edge (+Inf takes any excess). So a few large prefill steps keep their size instead of
+    being averaged into every step, which matters because a step is compute-bound past a roof.
+    """
+    edges: list[tuple[float, float, float]] = []  # (lower, upper, steps)
+    below_count = 0.0
+    lower = 0.0
+    for upper, count in sorted(cumulative):
+        steps = count - below_count
+        if steps < 0:
+            return None
+        if steps > 0:
+            edges.append((lower, upper, steps))
+        below_count, lower = max(below_count, count), upper
+    if not edges:
+        return None
+    values = []
+    for low, high, _ in edges:
+        if low < typical_tokens <= high:
+            values.append(typical_tokens)
+        elif math.isinf(high):
+            values.append(low)
+        else:
+            values.append((low + high) / 2.0)
+    residual = total_tokens - sum(value * steps for value, (_, _, steps) in zip(values, edges))
+    if residual > 0:
+        room = [(math.inf if math.isinf(high) else high - value) * steps
+                for value, (_, high, steps) in zip(values, edges)]
+    else:
+        room = [max(0.0, value - max(low, typical_tokens if value >= typical_tokens else low)) * steps
+                for value, (low, _, steps) in zip(values, edges)]
+    unbounded = [i for i, r in enumerate(room) if math.isinf(r)]
+    if unbounded:
+        share = {i: 1.0 / len(unbounded) for i in unbounded}
+    else:
+        available = sum(room)
+        share = {i: (r / available if available > 0 else 0.0) for i, r in enumerate(room)}
+    adjusted = [value + residual * share.get(i, 0.0) / edges[i][2] for i, value in enumerate(values)]
+    return [(value, steps) for value, (_, _, steps) in zip(adjusted, edges)]
+
+
+def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
+    """Deltas between two polls of one engine (same target, model_name and engine)."""
+    if previous is None:
+        return _empty(False, "first poll: no window yet")
+    if (previous.kind, previous.model_name, previous.engine) != (current.kind, current.model_name, current.engine):
+        return _empty(False, "snapshots are of different engines: no window")
+    backwards = _went_backwards(previous, current)
+    if backwards:
+        return _empty(True, f"counter reset (server restart?): {', '.join(backwards)} went backwards")
+    notes: list[str] = []
+    mean = median = tokens = None
+    before_h, now_h = previous.inter_token_latency, current.inter_token_latency
+    if before_h is None or now_h is None:
+        notes.append("no ITL histogram in one of the two polls: no measured step")
+    else:
+        mean, median, tokens = _step_times(before_h, now_h, notes)
+    prefill, whole_steps = _prefill_per_step(previous, current, notes)
+    mix = _prefill_mix(previous, current, prefill, notes) if whole_steps else None
+    return Window(
+        measured_step_mean_seconds=mean,
+        measured_step_median_seconds=median,
+        prefill_tokens_per_step=prefill,
+        tokens_generated=tokens,
+        counter_reset=False,
+        notes=tuple(notes),
+        prefill_mix=mix,
+    )
