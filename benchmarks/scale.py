@@ -200,7 +200,7 @@ def measure(count: int, cycles: int, profile: cProfile.Profile | None, with_prom
             targets = poller._discovery.discover()
             profile.enable()
             for target in targets:
-                poller._poll_target(target)
+                poller._poll_target(target, None)  # the fleet needs no bearer token
             profile.disable()
             METRICS_PROFILE.enable()
             generate_latest(registry)  # what GET /metrics renders
