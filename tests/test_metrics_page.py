@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from exporter.admission import AdmissionBook, AdmissionCollector, AdmissionRequest, DeploymentPolicy
 from exporter.collector import StepBudgetCollector, make_registry
 from exporter.config import Config, config_from_mapping
+from exporter.poller import Poller
 from exporter.server import MetricsPage, StepBudgetServer
 from tests.conftest import MakePoller, ManualClock, PageServer, VllmState, vllm_page
 
@@ -44,13 +45,19 @@ def collects(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return runs
 
 
-def test_scrapes_between_polls_get_the_same_bytes_without_running_the_collector(
-        page_server: PageServer, clock: ManualClock, make_poller: MakePoller, collects: list[int]) -> None:
+def polled_page(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> tuple[MetricsPage, Poller]:
+    """A MetricsPage over one polled vLLM target (2 running, half the KV cache used), and its poller."""
     config = make_config(page_server.url)
     poller = make_poller(config, clock)
     page = MetricsPage(make_registry(poller.readings, config.deployments))
     page_server.serve_text(vllm_page(VllmState(running=2, kv_usage_ratio=0.5)))
     poller.poll_once()
+    return page, poller
+
+
+def test_scrapes_between_polls_get_the_same_bytes_without_running_the_collector(
+        page_server: PageServer, clock: ManualClock, make_poller: MakePoller, collects: list[int]) -> None:
+    page, poller = polled_page(page_server, clock, make_poller)
     first = page.response("", "").body
     assert page.response("", "").body == first and len(collects) == 1
     page_server.serve_text(vllm_page(VllmState(running=7, kv_usage_ratio=0.25)))
@@ -64,11 +71,7 @@ def test_scrapes_between_polls_get_the_same_bytes_without_running_the_collector(
 
 def test_each_format_is_cached_apart_and_gzip_round_trips(
         page_server: PageServer, clock: ManualClock, make_poller: MakePoller, collects: list[int]) -> None:
-    config = make_config(page_server.url)
-    poller = make_poller(config, clock)
-    page = MetricsPage(make_registry(poller.readings, config.deployments))
-    page_server.serve_text(vllm_page(VllmState(running=2, kv_usage_ratio=0.5)))
-    poller.poll_once()
+    page, poller = polled_page(page_server, clock, make_poller)
     plain = page.response("", "")
     zipped = page.response("", "deflate, gzip;q=0.9")
     assert zipped.headers == {"Content-Encoding": "gzip"} and "Content-Encoding" not in plain.headers
