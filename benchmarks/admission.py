@@ -33,7 +33,7 @@ import structlog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from exporter.admission import wiring as admission_module  # noqa: E402
+from exporter.admission import wiring as admission_module
 from exporter.serve import daemon as daemon_module  # noqa: E402
 from exporter.admission.api import AdmissionApi
 from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy

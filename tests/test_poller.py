@@ -1,8 +1,7 @@
 """The poller under failure: every way a model server can misbehave gives `stepbudget_target_up 0`
 or a clearly logged partial reading, never a crash and never a wrong number exported as valid.
 
-Fetch-level failures use `responses` (it mocks `requests` itself); everything else is a real HTTP
-server on 127.0.0.1. Time is injected: the poll clock is a ManualClock, the fetch deadline's clock
+Every fetch goes to a real HTTP(S) server on 127.0.0.1 (or none, for a refused connection). Time is injected: the poll clock is a ManualClock, the fetch deadline's clock
 is injected where the test is about the deadline.
 """
 
@@ -14,8 +13,6 @@ from http.server import BaseHTTPRequestHandler
 from typing import Iterator
 
 import pytest
-import requests
-import responses
 import structlog
 from structlog.testing import capture_logs
 
@@ -53,45 +50,116 @@ def _reset_structlog() -> Iterator[None]:
     structlog.reset_defaults()
 
 
-# --- fetch level, with `responses` -------------------------------------------------------------------
-
-URL = "http://model-server.invalid:8000/metrics"
+# --- fetch level: refused, silent, failing, authenticated and TLS servers, all real ---------------------
 
 
-@responses.activate
 def test_fetch_connection_refused_is_a_fetch_error() -> None:
-    responses.get(URL, body=requests.ConnectionError("[Errno 111] Connection refused"))
-    with pytest.raises(FetchError, match="connection failed: Connection refused"):
-        HttpFetcher(1.0, 1000)(URL, bearer_token=None, tls=Tls())
-
-
-@responses.activate
-def test_fetch_timeout_is_a_fetch_error() -> None:
-    responses.get(URL, body=requests.ReadTimeout("read timed out"))
-    with pytest.raises(FetchError, match="timed out after 1s"):
-        HttpFetcher(1.0, 1000)(URL, bearer_token=None, tls=Tls())
-
-
-@responses.activate
-def test_fetch_http_500_is_a_fetch_error() -> None:
-    responses.get(URL, body="oops", status=500)
-    with pytest.raises(FetchError, match="HTTP 500"):
-        HttpFetcher(1.0, 1000)(URL, bearer_token=None, tls=Tls())
-
-
-@responses.activate
-def test_fetch_sends_bearer_token_and_tls_settings(tmp_path) -> None:
-    ca = tmp_path / "ca.pem"
-    ca.write_text("not used by responses")
-    responses.get(URL, body="x 1\n")
     fetcher = HttpFetcher(1.0, 1000)
-    assert fetcher(URL, bearer_token="s3cret", tls=Tls(ca_file=str(ca))) == "x 1\n"
-    fetcher(URL, bearer_token=None, tls=Tls(insecure_skip_verify=True))
-    first, second = responses.calls
-    assert first.request.headers["Authorization"] == "Bearer s3cret"
-    assert first.request.req_kwargs["verify"] == str(ca)
-    assert first.request.req_kwargs["timeout"] == (1.0, 1.0)
-    assert "Authorization" not in second.request.headers and second.request.req_kwargs["verify"] is False
+    try:
+        with pytest.raises(FetchError, match="connection failed: Connection refused"):
+            fetcher(f"http://127.0.0.1:{free_port()}/metrics", bearer_token=None, tls=Tls())
+    finally:
+        fetcher.close()
+
+
+def test_fetch_timeout_is_a_fetch_error(page_server: PageServer) -> None:
+    """A server that accepts and never answers: the read timeout (or the watchdog) ends the fetch."""
+    release = threading.Event()
+    page_server.respond = lambda handler: release.wait(10)
+    fetcher = HttpFetcher(0.3, 1000)
+    try:
+        with pytest.raises(FetchError, match=r"timed out after 0.3s"):
+            fetcher(page_server.url, bearer_token=None, tls=Tls())
+    finally:
+        release.set()
+        fetcher.close()
+
+
+def test_fetch_http_500_is_a_fetch_error(page_server: PageServer) -> None:
+    page_server.serve_text("oops", status=500)
+    fetcher = HttpFetcher(1.0, 1000)
+    try:
+        with pytest.raises(FetchError, match="HTTP 500"):
+            fetcher(page_server.url, bearer_token=None, tls=Tls())
+        page_server.serve_text("x 1\n")
+        assert fetcher(page_server.url, bearer_token=None, tls=Tls()) == "x 1\n"  # the pool recovers
+    finally:
+        fetcher.close()
+
+
+def test_fetch_sends_the_bearer_token_and_keeps_the_connection(page_server: PageServer) -> None:
+    page_server.serve_text("x 1\n")
+    fetcher = HttpFetcher(1.0, 1000)
+    try:
+        assert fetcher(page_server.url, bearer_token="s3cret", tls=Tls()) == "x 1\n"
+        fetcher(page_server.url, bearer_token=None, tls=Tls())
+    finally:
+        fetcher.close()
+    first, second = page_server.requests
+    assert first["authorization"] == "Bearer s3cret" and "authorization" not in second
+    assert first["accept"].startswith("text/plain;version=0.0.4") and "gzip" in first["accept-encoding"]
+    assert first["user-agent"].startswith("stepbudget/")
+    assert first["client_port"] == second["client_port"], "each poll of a target reuses its connection"
+
+
+def test_redirects_are_followed_and_the_token_stays_on_its_host(page_server: PageServer) -> None:
+    """`/metrics` -> `/metrics/` (Starlette's slash redirect) is followed with the token; a redirect to
+    another host (127.0.0.2 is another loopback address) gets no token."""
+    other = PageServer(host="127.0.0.2")
+    try:
+        other.serve_text("y 2\n")
+
+        def redirect(handler: BaseHTTPRequestHandler) -> None:
+            target = other.url if handler.path == "/away" else "/metrics/"
+            if handler.path.endswith("/"):
+                send_text(handler, "x 1\n")
+                return
+            handler.send_response(307)
+            handler.send_header("Location", target)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+
+        page_server.respond = redirect
+        fetcher = HttpFetcher(1.0, 1000)
+        try:
+            assert fetcher(page_server.url, bearer_token="s3cret", tls=Tls()) == "x 1\n"
+            away = page_server.url.replace("/metrics", "/away")
+            assert fetcher(away, bearer_token="s3cret", tls=Tls()) == "y 2\n"
+        finally:
+            fetcher.close()
+        assert [r["authorization"] for r in page_server.requests] == ["Bearer s3cret"] * 3
+        assert "authorization" not in other.requests[0]
+    finally:
+        other.close()
+
+
+def test_tls_verifies_with_the_ca_file_and_skips_only_when_told(tmp_path, page_server: PageServer) -> None:
+    """A real TLS server with a self-signed certificate: refused by default, read with the
+    certificate as `ca_file`, read without verification when `insecure_skip_verify` is set."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    page_server.wrap_tls(context)
+    page_server.serve_text("x 1\n")
+    url = page_server.url.replace("http://", "https://")
+    fetcher = HttpFetcher(2.0, 1000)
+    try:
+        with pytest.raises(FetchError, match="TLS error: certificate verify failed"):
+            fetcher(url, bearer_token=None, tls=Tls())
+        assert fetcher(url, bearer_token="s3cret", tls=Tls(ca_file=str(cert))) == "x 1\n"
+        assert fetcher(url, bearer_token=None, tls=Tls(insecure_skip_verify=True)) == "x 1\n"
+    finally:
+        fetcher.close()
+    assert [r.get("authorization") for r in page_server.requests] == ["Bearer s3cret", None]
 
 
 # --- fetch level, real servers -------------------------------------------------------------------------

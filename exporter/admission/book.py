@@ -174,6 +174,7 @@ class AdmissionBook:
             (name, decision): 0 for name in self._policies for decision in DECISIONS
         }
         self.expired_total = 0
+        self._version = 0  # bumped by every change the metrics show (exporter/serve/server.py's page cache)
 
     @property
     def deployments(self) -> tuple[str, ...]:
@@ -203,6 +204,7 @@ class AdmissionBook:
             state.settled_at_poll_tokens = float(sum(
                 a.tokens for a in state.admissions.values() if a.admitted_at_seconds <= now - self._settle_seconds))
             state.eligible = True
+            self._version += 1
 
     def suspend(self, deployment: str, target: str) -> None:
         """The target's poll failed or lacked tokens in flight: admit nothing there until it is back."""
@@ -210,6 +212,7 @@ class AdmissionBook:
             state = self._targets.get((deployment, target))
             if state is not None:
                 state.eligible = False
+                self._version += 1
 
     def sync(self, measurements: Iterable["TargetMeasurement"], unusable: Iterable[tuple[str, str]]) -> None:
         """One whole poll: reconcile the measured targets, suspend the unusable ones, forget the
@@ -232,6 +235,7 @@ class AdmissionBook:
         with self._lock:
             state = self._targets.pop((deployment, target), None)
             if state is not None:
+                self._version += 1
                 for admission_id in state.admissions:
                     self._by_id.pop(admission_id, None)
 
@@ -239,6 +243,13 @@ class AdmissionBook:
         with self._lock:
             self._expire(self._clock())
             return [self._account(state) for state in self._targets.values()]
+
+    def version(self) -> int:
+        """Changes whenever the decision counts or any target's accounted tokens may have changed
+        (leases that ran out are dropped first, so an expiry counts as a change)."""
+        with self._lock:
+            self._expire(self._clock())
+            return self._version
 
     def decision_counts(self) -> dict[tuple[str, str], int]:
         with self._lock:
@@ -357,12 +368,14 @@ class AdmissionBook:
         state.open_tokens += admission.tokens
         self._by_id[admission_id] = state
         heapq.heappush(self._leases, (admission.expires_at_seconds, admission_id))
+        self._version += 1
         return admission
 
     def _close(self, state: _Target, admission_id: str) -> Admission:
         del self._by_id[admission_id]
         admission = state.admissions.pop(admission_id)
         state.open_tokens -= admission.tokens
+        self._version += 1
         return admission
 
     def _expire(self, now: float) -> None:
@@ -384,6 +397,7 @@ class AdmissionBook:
     def _count(self, decision: Decision) -> Decision:
         key = (decision.deployment, decision.decision)
         self._decisions[key] = self._decisions.get(key, 0) + 1
+        self._version += 1
         return decision
 
 

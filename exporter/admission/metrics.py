@@ -32,6 +32,10 @@ class AdmissionCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return list(self._families())
 
+    def generation(self) -> int:
+        """The book's version: the cached /metrics page is rebuilt only after an admission change."""
+        return self._book.version()
+
     def collect(self) -> Iterator[Metric]:
         yield from self._families()
 

@@ -95,6 +95,12 @@ class StepBudgetCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return []  # no auto-describe: collecting at registration would be pointless work
 
+    def generation(self) -> tuple[Reading, ...]:
+        """What the families are built from (the deployments never change): equal from one call to
+        the next exactly when collect() would export the same. The poller publishes a new tuple per
+        poll, so between polls this is the same object and comparing it costs nothing."""
+        return tuple(self._readings())
+
     def collect(self) -> Iterator[Metric]:
         readings = list(self._readings())
         # Each reading's label set once per scrape, shared by its ~22 samples (never mutated after):
@@ -155,8 +161,43 @@ class StepBudgetCollector(Collector):
         yield info
 
 
-def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment]) -> CollectorRegistry:
+class PageRegistry(CollectorRegistry):
+    """A registry that can tell whether its page changed since it was last rendered, so /metrics is
+    encoded once per poll (or admission change) instead of once per scrape (exporter/serve/server.py).
+
+    Each collector on it says so with `generation()`: a value equal from one call to the next
+    exactly when its families would come out the same. One collector without it and `generation()`
+    is None: the page is then rendered at every scrape, as prometheus_client does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(auto_describe=False)
+        self._sources: list[Collector] = []
+
+    def register(self, collector: Collector) -> None:
+        super().register(collector)
+        with self._lock:
+            self._sources.append(collector)
+
+    def unregister(self, collector: Collector) -> None:
+        super().unregister(collector)
+        with self._lock:
+            self._sources.remove(collector)
+
+    def generation(self) -> tuple[object, ...] | None:
+        with self._lock:
+            sources = list(self._sources)
+        parts = []
+        for collector in sources:
+            generation = getattr(collector, "generation", None)
+            if generation is None:
+                return None
+            parts.append(generation())
+        return tuple(parts)
+
+
+def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment]) -> PageRegistry:
     """A private registry (never the global one) holding only the stepbudget collector."""
-    registry = CollectorRegistry(auto_describe=False)
+    registry = PageRegistry()
     registry.register(StepBudgetCollector(readings, deployments))
     return registry

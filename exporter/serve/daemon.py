@@ -193,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"listen {config.listen}: cannot serve there: {error.strerror or error}") from None
     for hook in extensions_for(config):
         hook(daemon)
+    # Last listener, after the extensions' (admission sync): the page is re-rendered once per poll
+    # with everything the poll changed, and scrapes are served from it.
+    daemon.poller.add_listener(lambda result: daemon.server.metrics_page.refresh())
     daemon.server.start()
     log.info("started", version=__version__, listen=config.listen, port=daemon.server.port,
              poll_interval_seconds=config.poll_interval_seconds, timeout_seconds=config.timeout_seconds,

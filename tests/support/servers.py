@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -62,7 +63,7 @@ class _QuietServer(ThreadingHTTPServer):
 class PageServer:
     """A stdlib HTTP server on 127.0.0.1; `respond(handler)` (settable) answers every GET."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.respond: Responder = lambda handler: send_text(handler, "")
         self.requests: list[dict[str, str]] = []
         server = self
@@ -71,7 +72,8 @@ class PageServer:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:  # noqa: N802
-                server.requests.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+                server.requests.append({"path": self.path, "client_port": str(self.client_address[1]),
+                                        **{k.lower(): v for k, v in self.headers.items()}})
                 try:
                     server.respond(self)
                 except (BrokenPipeError, ConnectionResetError):
@@ -80,14 +82,19 @@ class PageServer:
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
                 pass
 
-        self._httpd = _QuietServer(("127.0.0.1", 0), Handler)
+        self._httpd = _QuietServer((host, 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}/metrics"
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/metrics"
+
+    def wrap_tls(self, context: ssl.SSLContext) -> None:
+        """Serve HTTPS from now on (the handshake runs at accept; a client refusing it is no error)."""
+        self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
 
     def serve_text(self, text: str | bytes, status: int = 200) -> None:
         self.respond = lambda handler: send_text(handler, text, status)

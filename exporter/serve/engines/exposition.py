@@ -44,6 +44,10 @@ _VALUE_RE = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)
 # Control characters other than tab, newline and carriage return: text pages never hold them.
 _BINARY_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]")
 _BINARY_SHARE = 0.01
+# Label sets already parsed, by their exact text: a server's page repeats the same ~45 wanted label
+# sets at every poll, and only the values change. Bounded: cleared when full (targets come and go).
+_LABEL_SETS: dict[str, tuple[Labels, tuple[tuple[str, str], ...]]] = {}
+MAX_CACHED_LABEL_SETS = 20_000
 
 
 @dataclass
@@ -97,22 +101,44 @@ def _check_is_text(text: str) -> None:
         raise PageError("not Prometheus text", "the page holds binary data")
 
 
+def _labels_at(line: str, start: int) -> tuple[Labels, tuple[tuple[str, str], ...], int] | None:
+    """parse_labels with a memory: (a fresh copy of the labels, their sorted items, the index after
+    `}`), or None if malformed. Only a label set that ends at the line's last `}` is remembered (the
+    value and timestamp after it hold none), so the same text always parses the same way."""
+    close = line.rfind("}") + 1
+    text = line[start:close]
+    known = _LABEL_SETS.get(text)
+    if known is not None:
+        return dict(known[0]), known[1], close
+    parsed = parse_labels(line, start)
+    if parsed is None:
+        return None
+    labels, end = parsed
+    items = tuple(sorted(labels.items()))
+    if end == close:
+        if len(_LABEL_SETS) >= MAX_CACHED_LABEL_SETS:
+            _LABEL_SETS.clear()
+        _LABEL_SETS[text] = (dict(labels), items)
+    return labels, items, end
+
+
 def _read_sample(line: str, end: int, name: str, scan: PageScan, seen: set) -> bool:
     """Parses one wanted sample line into `scan`; False if the line is malformed."""
     labels: Labels = {}
+    items: tuple[tuple[str, str], ...] = ()
     pos = end
     if pos < len(line) and line[pos] == "{":
-        parsed = parse_labels(line, pos)
+        parsed = _labels_at(line, pos)
         if parsed is None:
             return False
-        labels, pos = parsed
+        labels, items, pos = parsed
     tokens = line[pos:].split(None, 2)
     if not tokens or (pos < len(line) and line[pos] not in " \t"):
         return False
     value = parse_value(tokens[0])
     if value is None:
         return False
-    key = (name, tuple(sorted(labels.items())))
+    key = (name, items)
     series = scan.samples.setdefault(name, [])
     if key in seen:
         # Duplicate series: the later line wins, as Prometheus's own scrape would reject the page.
@@ -155,7 +181,12 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
     seen: set = set()
     first_bad = 0
     for number, raw in enumerate(lines, start=1):
-        line = raw.strip()
+        first = raw[:1]
+        if first == "#":
+            continue
+        # Only a line that starts with whitespace (or is blank) needs stripping: a name starts with a
+        # letter, and the readers below take trailing whitespace as a separator. Per line, per poll.
+        line = raw if first.isalpha() else raw.strip()
         if not line or line[0] == "#":
             continue
         match = _NAME_RE.match(line)
@@ -163,7 +194,8 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
             scan.malformed_lines += 1
             first_bad = first_bad or number
             continue
-        name, end = match.group(), match.end()
+        end = match.end()
+        name = line[:end]
         if name in wanted:
             ok = _read_sample(line, end, name, scan, seen)
         else:  # cheap check only (a name, then labels or a space); values are checked if nothing was wanted

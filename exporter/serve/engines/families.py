@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 from exporter.serve.engines.exposition import Labels, PageScan, histogram_from_samples, parse_value
 from exporter.serve.snapshot import Histogram
@@ -75,9 +75,9 @@ def sample_names(spec: FamilySpec) -> tuple[str, ...]:
     return tuple(f"{base}{suffix}" for base in spec.names for suffix in ("_bucket", "_count", "_sum"))
 
 
-@dataclass(frozen=True)
-class Series:
-    """One sample with its labels already sorted into roles."""
+class Series(NamedTuple):
+    """One sample with its labels already sorted into roles (a NamedTuple: ~45 are built per page
+    per poll, and a frozen dataclass's __init__ costs several times a tuple's)."""
 
     labels: Labels
     value: float
@@ -107,18 +107,27 @@ def index_series(scan: PageScan, names: tuple[str, ...], roles: EngineLabels) ->
         with_total, split_here = _total_labels(samples, roles) if roles.totals else (set(), set())
         shares = tuple(sorted(split_here | set(roles.partitions)))
         by_who: dict[tuple[str, str | None], list[Series]] = {}
+        totals = tuple((k, v) for k, v in roles.totals if k in with_total)
         for labels, value in samples:
-            if any(labels.get(k, v) != v for k, v in roles.totals if k in with_total):
+            if totals and any(labels.get(k, v) != v for k, v in totals):
                 continue  # a breakdown (e.g. one priority), not the total
-            model = next((labels[label] for label in roles.model if label in labels), "")
+            model = _first_present(labels, roles.model)
             engine = labels.get(roles.engine) if roles.engine else None
             variant = tuple(sorted((k, v) for k, v in labels.items() if k not in skip))
-            share = tuple((k, labels[k]) for k in shares if k in labels)
+            share = tuple((k, labels[k]) for k in shares if k in labels) if shares else ()
             by_who.setdefault((model, engine), []).append(
                 Series(labels, value, labels.get(roles.process, ""), variant, share))
         if by_who:
             index[name] = by_who
     return index
+
+
+def _first_present(labels: Labels, names: tuple[str, ...]) -> str:
+    """The value of the first of `names` the labels carry, "" if none (a plain loop: per sample)."""
+    for name in names:
+        if name in labels:
+            return labels[name]
+    return ""
 
 
 def identities(index: Index) -> list[Identity]:
