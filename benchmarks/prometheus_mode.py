@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.scale import free_port, machine  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 SCRAPE_SECONDS = 15.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -168,7 +168,7 @@ def measure(engines: int, cycles: int, prometheus: str, promtool: str) -> Row:
         text, per_engine = openmetrics(engines, time.time() - 900)
         backfill_seconds = backfill(promtool, text, directory / "data")
         del text
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         process = start_prometheus(prometheus, directory, port)
         ready = wait_ready(base)
@@ -211,14 +211,6 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def table(rows: list[Row]) -> str:
     lines = ["| engines | series/engine | answer MB (series) | poll wall s | daemon CPU s (ms/engine) | "
              "Prometheus CPU s / query | engines up, tokens agree | daemon peak RSS MiB | Prometheus RSS MiB | backfill s |",
@@ -254,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        document = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                "platform": platform.platform()},
-                    "rows": [asdict(row) for row in rows]}
+        document = {"machine": machine(), "rows": [asdict(row) for row in rows]}
         (RESULTS / "prometheus_mode.json").write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
