@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 import requests
@@ -291,6 +291,17 @@ class Alertmanager:
         return response.json()
 
 
+def stop_process(process: "subprocess.Popen[Any]") -> None:
+    """Stop a process a test started: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def wait_until(condition: Callable[[], object], timeout_seconds: float = 10.0, interval_seconds: float = 0.05) -> object:
     """Poll `condition` until it returns something truthy; fail the test after the timeout.
 
@@ -331,11 +342,6 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
         wait_until(ready, timeout_seconds=20)
         yield manager
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         if process.stderr:
             process.stderr.close()

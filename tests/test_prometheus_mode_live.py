@@ -27,7 +27,7 @@ from exporter.config import Config, config_from_mapping
 from exporter.daemon import Daemon, build_daemon
 from exporter.simulator.scenarios import builtin_scenarios
 from exporter.simulator.server import ServerHandle, start_server
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, stop_process, wait_until
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.e2e
@@ -64,16 +64,6 @@ def start_prometheus(targets: list[str], directory: Path) -> tuple[subprocess.Po
          f"--web.listen-address={address}"],
         stdout=subprocess.DEVNULL, stderr=(directory / "prometheus.log").open("w"))
     return process, f"http://{address}"
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture
