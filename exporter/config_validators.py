@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -249,6 +250,24 @@ def url(value: Any, where: Where) -> str:
     if not text.startswith(("http://", "https://")):
         raise Invalid(f"expected an http:// or https:// URL, got {value!r}")
     return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
+
+
+# One PromQL label matcher: `name="value"`, `name!="value"`, `name=~"re"` or `name!~"re"`.
+_MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"\s*'
+SELECTOR_PATTERN = rf"^\s*\{{?(?:{_MATCHER})(?:,(?:{_MATCHER}))*,?\s*\}}?\s*$"
+_SELECTOR_RE = re.compile(SELECTOR_PATTERN)
+
+
+def promql_selector(value: Any, where: Where) -> str:
+    """PromQL label matchers such as `job="vllm", namespace="llm"` (braces optional), kept without
+    braces so they can be joined into larger selectors; checked here so a typo fails at
+    check-config, not as a query error at every poll."""
+    text = string(value, where).strip()
+    if _SELECTOR_RE.match(text) is None:
+        raise Invalid(f'expected PromQL label matchers such as job="vllm", namespace=~"llm-.*", got {value!r}')
+    if "__name__" in text:
+        raise Invalid("the selector names the engines' series by their labels; the daemon chooses the metric names")
+    return text.removeprefix("{").removesuffix("}").strip().rstrip(",")
 
 
 def existing_file(value: Any, where: Where) -> str:

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 import requests
@@ -18,6 +18,7 @@ from tests.support.alertmanager import ALERTMANAGER_CONFIG, Alertmanager
 from tests.support.clocks import ManualClock, SteppingClock
 from tests.support.pollers import MakePoller
 from tests.support.servers import PageServer, free_port, wait_until
+from tests.support.processes import stop_process
 from tests.support.tools import require_tool
 
 if TYPE_CHECKING:
@@ -97,11 +98,6 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
         wait_until(ready, timeout_seconds=20)
         yield manager
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         if process.stderr:
             process.stderr.close()

@@ -396,7 +396,8 @@ def test_every_config_key_is_documented() -> None:
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     tables = [config.TOP_LEVEL_KEYS, config.DEFAULTS_KEYS, config.DEPLOYMENT_KEYS, config.TARGETS_KEYS,
-              config.DNS_KEYS, config.KUBERNETES_KEYS, config.AUTH_KEYS, config.TLS_KEYS, config.ALERTING_KEYS]
+              config.DNS_KEYS, config.KUBERNETES_KEYS, config.PROMETHEUS_KEYS, config.AUTH_KEYS, config.TLS_KEYS,
+              config.ALERTING_KEYS]
     missing = sorted({name for table in tables for name in table if f"`{name}`" not in doc})
     assert not missing, f"keys missing from docs/operations.md: {missing}"
 

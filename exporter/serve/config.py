@@ -28,7 +28,7 @@ from exporter.admission.sections import ADMISSION_SECTION, POOLS_SECTION
 from exporter.config_validators import (
     REQUIRED, ConfigError, Invalid, Key, LineDict, LineList, Parser, Section, Table, Where, bandwidth, boolean,
     choice, duration, existing_file, list_of, non_negative, non_negative_seconds, one_of_keys, port, positive,
-    ratio, section, size, string, url, url_list, url_path, whole_positive,
+    promql_selector, ratio, section, size, string, url, url_list, url_path, whole_positive,
 )
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.errors import InputError
@@ -40,9 +40,10 @@ from exporter.serve.sharding import SHARD_SECTION
 # re-exported from config_validators so `from exporter.serve.config import ConfigError` keeps working.
 __all__ = [
     "ALERTING_KEYS", "AUTH_KEYS", "CALIBRATION_NUMBERS", "CALIBRATION_REQUIRED_KEYS", "CORE_KEYS",
-    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "SERVER_KINDS",
-    "KUBERNETES_KEYS", "LOG_FORMATS", "REQUIRED", "TARGETS_KEYS", "TLS_KEYS", "TOP_LEVEL_KEYS", "Alerting", "Auth",
-    "Config", "ConfigError", "Deployment", "DnsTargets", "Key", "KubernetesTargets", "LineDict", "Section", "Table",
+    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEFAULT_PROMETHEUS_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "SERVER_KINDS",
+    "KUBERNETES_KEYS", "LOG_FORMATS", "PROMETHEUS_KEYS", "REQUIRED", "TARGETS_KEYS", "TLS_KEYS", "TOP_LEVEL_KEYS", "Alerting", "Auth",
+    "Config", "ConfigError", "Deployment", "DnsTargets", "Key", "KubernetesTargets", "LineDict", "PrometheusTargets",
+    "Section", "Table",
     "Tls", "Where", "build_parser", "config_from_mapping", "daemon_sections", "empty_document", "listen_address",
     "load_config", "parse_listen", "read_document", "run", "section", "targets_check", "top_level_keys",
 ]
@@ -50,6 +51,8 @@ __all__ = [
 SERVER_KINDS = ("auto", "vllm", "sglang", "tgi")  # the page format: a server's `kind`
 LOG_FORMATS = ("auto", "json", "console")
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20
+# One answer holds a whole deployment's series (~20 KB of JSON per vLLM engine): 10,000 engines fit.
+DEFAULT_PROMETHEUS_RESPONSE_BYTES = 512 * 2**20
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -79,9 +82,12 @@ _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _co
 # --- the key tables --------------------------------------------------------------------------
 
 def targets_check(result: dict[str, Any], where: Where) -> None:
-    """A deployment with no target source would poll nothing, silently."""
-    if not any(result[name] for name in ("static", "dns", "kubernetes")):
-        raise Invalid("give at least one of static, dns, kubernetes")
+    """A deployment with no target source would poll nothing, silently; one that read Prometheus
+    and also polled pages would read the same servers twice, as two sets of targets."""
+    if not any(result[name] for name in ("static", "dns", "kubernetes", "prometheus")):
+        raise Invalid("give at least one of static, dns, kubernetes, prometheus")
+    if result["prometheus"] and any(result[name] for name in ("static", "dns", "kubernetes")):
+        raise Invalid("prometheus reads every target from Prometheus: give it alone, not with static, dns or kubernetes")
 
 
 DNS_KEYS: Table = {
@@ -98,11 +104,6 @@ KUBERNETES_KEYS: Table = {
     "scheme": Key(choice("http", "https"), "http", "http or https"),
     "kubeconfig": Key(existing_file, None, "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
 }
-TARGETS_KEYS: Table = {
-    "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
-    "dns": Key(section(DNS_KEYS), None, "DNS discovery: every address the name resolves to is a target"),
-    "kubernetes": Key(section(KUBERNETES_KEYS), None, "Kubernetes pod discovery (Running pods with an IP)"),
-}
 AUTH_KEYS: Table = {
     "bearer_token_file": Key(existing_file, None, "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
     "bearer_token_env": Key(string, None, "name of an environment variable holding a bearer token"),
@@ -110,6 +111,23 @@ AUTH_KEYS: Table = {
 TLS_KEYS: Table = {
     "ca_file": Key(existing_file, None, "CA bundle to verify the servers' certificates"),
     "insecure_skip_verify": Key(boolean, False, "do not verify certificates (testing only)"),
+}
+PROMETHEUS_KEYS: Table = {
+    "url": Key(url, REQUIRED, "base URL of the Prometheus HTTP API (Prometheus, Thanos Querier, or Mimir's `/prometheus`)"),
+    "selector": Key(promql_selector, REQUIRED, 'label matchers of the engines\' series and their `up`, e.g. `job="vllm"`'),
+    "tenant": Key(string, None, "tenant sent as `X-Scope-OrgID` (Mimir, Cortex)"),
+    "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None,
+                "bearer token for the query API (default: the deployment's `auth`)"),
+    "tls": Key(section(TLS_KEYS), None, "TLS for an https query API (default: the deployment's `tls`)"),
+    "max_response_bytes": Key(size, float(DEFAULT_PROMETHEUS_RESPONSE_BYTES), "a query answer larger than this is refused"),
+}
+TARGETS_KEYS: Table = {
+    "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
+    "dns": Key(section(DNS_KEYS), None, "DNS discovery: every address the name resolves to is a target"),
+    "kubernetes": Key(section(KUBERNETES_KEYS), None, "Kubernetes pod discovery (Running pods with an IP)"),
+    "prometheus": Key(section(PROMETHEUS_KEYS), None,
+                      "read the engines' series from Prometheus's query API instead of fetching pages "
+                      "(each `instance` is a target; docs/scaling.md)"),
 }
 DEFAULTS_KEYS: Table = {
     "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
@@ -244,6 +262,18 @@ class Tls:
 
 
 @dataclass(frozen=True)
+class PrometheusTargets:
+    """`targets.prometheus`: the engines' series read from a Prometheus-compatible query API."""
+
+    url: str
+    selector: str  # label matchers without braces, e.g. `job="vllm"`
+    auth: Auth
+    tls: Tls
+    tenant: str | None = None
+    max_response_bytes: int = DEFAULT_PROMETHEUS_RESPONSE_BYTES
+
+
+@dataclass(frozen=True)
 class Deployment:
     name: str
     model: str
@@ -259,6 +289,12 @@ class Deployment:
     kubernetes: KubernetesTargets | None = None
     auth: Auth = field(default_factory=Auth)
     tls: Tls = field(default_factory=Tls)
+    prometheus: PrometheusTargets | None = None
+
+    @property
+    def mode(self) -> str:
+        """How this deployment's servers are read: `prometheus` (query API) or `pages` (fetched)."""
+        return "prometheus" if self.prometheus is not None else "pages"
 
     @property
     def architecture(self) -> Architecture:
@@ -292,7 +328,8 @@ class Config:
 
     def summary(self) -> str:
         modes = sorted({mode for d in self.deployments for mode, on in
-                        (("static", d.static_urls), ("dns", d.dns), ("kubernetes", d.kubernetes)) if on})
+                        (("static", d.static_urls), ("dns", d.dns), ("kubernetes", d.kubernetes),
+                         ("prometheus", d.prometheus)) if on})
         alerting = f"alerting to {len(self.alerting.alertmanager_urls)} Alertmanager(s)" if self.alerting.alertmanager_urls else "alerting off"
         return (f"{len(self.deployments)} deployment(s) ({', '.join(d.name for d in self.deployments)}), "
                 f"discovery {'+'.join(modes)}, poll every {self.poll_interval_seconds:g}s, listen {self.listen}, {alerting}")
@@ -382,6 +419,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         raise where.error(str(error)) from None
     targets = raw["targets"]
     auth, tls = raw["auth"], raw["tls"]
+    deployment_auth, deployment_tls = Auth(**auth) if auth else Auth(), Tls(**tls) if tls else Tls()
     return Deployment(
         name=raw["name"], model=raw["model"], gpu=raw["gpu"], tensor_parallel=raw["tensor_parallel"],
         kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"],
@@ -391,8 +429,20 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         static_urls=tuple(targets["static"]),
         dns=DnsTargets(**targets["dns"]) if targets["dns"] else None,
         kubernetes=KubernetesTargets(**targets["kubernetes"]) if targets["kubernetes"] else None,
-        auth=Auth(**auth) if auth else Auth(),
-        tls=Tls(**tls) if tls else Tls(),
+        auth=deployment_auth, tls=deployment_tls,
+        prometheus=_prometheus_targets(targets["prometheus"], deployment_auth, deployment_tls),
+    )
+
+
+def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls) -> PrometheusTargets | None:
+    """`targets.prometheus`; its own auth and tls, else the deployment's (in this mode the daemon
+    talks to no model server, so the deployment's credentials can only be meant for Prometheus)."""
+    if not raw:
+        return None
+    return PrometheusTargets(
+        url=raw["url"], selector=raw["selector"], tenant=raw["tenant"],
+        auth=Auth(**raw["auth"]) if raw["auth"] else auth, tls=Tls(**raw["tls"]) if raw["tls"] else tls,
+        max_response_bytes=int(raw["max_response_bytes"]),
     )
 
 

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from exporter import config_validators
 from exporter.serve import config
 from exporter.units import DURATION_PATTERN, SIZE_UNITS
 
@@ -62,6 +63,7 @@ PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
     "url_path": {"type": "string", "pattern": r"^\s*/"},
     "url_list": {"anyOf": [_URL, {"type": "array", "minItems": 1, "items": _URL}]},
     "listen_address": {"type": ["string", "integer"]},
+    "promql_selector": {"type": "string", "pattern": config_validators.SELECTOR_PATTERN},
 }
 
 # Cross-key checks the schema does not express; check-config still runs them.
@@ -76,7 +78,8 @@ def _check_schema(check: Callable[..., Any] | None) -> dict[str, Any]:
     if check is None or _name(check) in CHECK_CONFIG_ONLY:
         return {}
     if _name(check) == "targets_check":
-        return {"anyOf": [{"required": [name]} for name in ("static", "dns", "kubernetes")]}
+        # check-config also refuses prometheus given with another source; the schema asks for one.
+        return {"anyOf": [{"required": [name]} for name in ("static", "dns", "kubernetes", "prometheus")]}
     if _name(check) == "one_of_keys":
         names = inspect.getclosurevars(check).nonlocals["names"]
         given = {"not": {"type": "null"}}

@@ -31,8 +31,9 @@ from exporter.serve.discovery import Discovery
 from exporter.errors import InputError
 from exporter.logs import configure_logging
 from exporter.serve.poller import HttpFetcher, Poller
+from exporter.serve.prometheus_source import PrometheusSource
 from exporter.serve.server import Response, StepBudgetServer, TargetRow
-from exporter.serve.sharding import ShardedDiscovery, parse_shard, shard_from_config, shard_section
+from exporter.serve.sharding import ShardedDiscovery, keep_targets, parse_shard, shard_from_config, shard_section
 
 log = structlog.get_logger("stepbudget.daemon")
 
@@ -46,6 +47,7 @@ class Daemon:
     server: StepBudgetServer
     alert_loop: AlertLoop
     fetcher: HttpFetcher
+    sources: tuple[PrometheusSource, ...] = ()
 
 
 Extension = Callable[[Daemon], object]
@@ -139,7 +141,8 @@ def build_daemon(config: Config) -> Daemon:
     shard = shard_from_config(config)
     if shard is not None:
         discovery = ShardedDiscovery(discovery, shard)
-    poller = Poller(config, discovery, fetcher)
+    sources = prometheus_sources(config)
+    poller = Poller(config, discovery, fetcher, sources=sources)
     registry = make_registry(poller.readings, config.deployments)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
                               targets=lambda: _target_rows(poller))
@@ -149,7 +152,16 @@ def build_daemon(config: Config) -> Daemon:
                            generator_url=f"http://{host or _hostname()}:{server.port}/")
     poller.add_listener(alert_loop.on_poll)
     server.register_route("GET", "/api/v1/alerts", lambda request: _alerts_response(alert_loop))
-    return Daemon(config, poller, server, alert_loop, fetcher)
+    return Daemon(config, poller, server, alert_loop, fetcher, sources)
+
+
+def prometheus_sources(config: Config) -> tuple[PrometheusSource, ...]:
+    """One query source per `targets.prometheus` deployment; a shard keeps its share of each."""
+    shard = shard_from_config(config)
+    keep = None if shard is None else (lambda targets: keep_targets(targets, shard))
+    return tuple(PrometheusSource(deployment, timeout_seconds=config.timeout_seconds,
+                                  stale_after_seconds=config.stale_after_seconds, keep=keep)
+                 for deployment in config.deployments if deployment.prometheus is not None)
 
 
 def _alerts_response(alert_loop: AlertLoop) -> Response:
@@ -197,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     # with everything the poll changed, and scrapes are served from it.
     daemon.poller.add_listener(lambda result: daemon.server.metrics_page.refresh())
     daemon.server.start()
+    for deployment in config.deployments:
+        log.info("deployment_mode", deployment=deployment.name, mode=deployment.mode, **_sources_of(deployment))
     log.info("started", version=__version__, listen=config.listen, port=daemon.server.port,
              poll_interval_seconds=config.poll_interval_seconds, timeout_seconds=config.timeout_seconds,
              deployments=[_describe(d) for d in config.deployments],
@@ -210,17 +224,27 @@ def run(args: argparse.Namespace) -> int:
         daemon.poller.stop()
         daemon.server.stop()
         daemon.fetcher.close()
+        for source in daemon.sources:
+            source.close()
         log.info("stopped", shutdown_seconds=round(time.monotonic() - started, 3))
     return 0
 
 
 def _describe(deployment: Deployment) -> dict[str, Any]:
+    return {"name": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
+            "kind": deployment.kind, "bandwidth_source": deployment.resolved.bandwidth_source,
+            "mode": deployment.mode, **_sources_of(deployment)}
+
+
+def _sources_of(deployment: Deployment) -> dict[str, Any]:
+    """Where a deployment's servers are read from, as the start-up log says it."""
     sources: dict[str, Any] = {}
+    if deployment.prometheus:
+        sources["prometheus"] = f"{deployment.prometheus.url} {{{deployment.prometheus.selector}}}"
     if deployment.static_urls:
         sources["static"] = list(deployment.static_urls)
     if deployment.dns:
         sources["dns"] = f"{deployment.dns.name}:{deployment.dns.port}"
     if deployment.kubernetes:
         sources["kubernetes"] = f"{deployment.kubernetes.namespace}/{deployment.kubernetes.label_selector}"
-    return {"name": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
-            "kind": deployment.kind, "bandwidth_source": deployment.resolved.bandwidth_source, **sources}
+    return sources

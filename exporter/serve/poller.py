@@ -59,6 +59,27 @@ class Fetch(Protocol):
     def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str: ...
 
 
+class SourceOutcome(Protocol):
+    """One target's part of a source's answer (exporter/serve/prometheus_source.py's TargetOutcome)."""
+
+    target: Target
+    page: object | None
+    error: str | None
+    unchanged: bool
+
+
+class SourceAnswer(Protocol):
+    outcomes: tuple[SourceOutcome, ...]
+    duration_seconds: float
+
+
+class Source(Protocol):
+    """A deployment read as a whole (`targets.prometheus`) instead of one page fetch per target:
+    one call per poll names the targets and gives each its page reading or its failure."""
+
+    def read(self) -> SourceAnswer: ...
+
+
 # --- the overall deadline -------------------------------------------------------------------------
 #
 # requests' timeouts are per socket operation: a server that trickles one byte per second never
@@ -391,7 +412,8 @@ class Poller:
     def __init__(self, config: Config, discovery: Discovery, fetch: Fetch, *,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
                  read_page: Callable[..., object] | None = None,
-                 compute_window: Callable[..., object] | None = None) -> None:
+                 compute_window: Callable[..., object] | None = None,
+                 sources: Sequence[Source] = ()) -> None:
         if read_page is None or compute_window is None:
             from exporter.serve.engines import read_page as default_read_page
             from exporter.serve.window import compute_window as default_compute_window
@@ -406,6 +428,7 @@ class Poller:
         self._monotonic = monotonic
         self._read_page = read_page
         self._compute_window = compute_window
+        self._sources = tuple(sources)
         self._states: dict[tuple[str, str], TargetState] = {}
         self._lock = threading.Lock()
         self._readings: tuple[Reading, ...] = ()
@@ -435,7 +458,8 @@ class Poller:
 
     def poll_once(self) -> PollResult:
         targets = self._discovery.discover()
-        self._forget_gone(targets)
+        answers = self._read_sources()
+        self._forget_gone([*targets, *(outcome.target for answer in answers for outcome in answer.outcomes)])
         tokens = self._bearer_tokens(targets)
         futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
         for target in targets:
@@ -443,7 +467,7 @@ class Poller:
                 futures[target.key] = self._executor.submit(self._poll_target, target, tokens[target.deployment])
             except RuntimeError:  # stop() shut the pool down while this cycle was still submitting
                 break
-        readings: list[Reading] = []
+        readings: list[Reading] = [reading for answer in answers for reading in self._source_readings(answer)]
         abandoned = 0
         for target in targets:
             future = futures.get(target.key)
@@ -469,6 +493,44 @@ class Poller:
             except Exception:  # noqa: BLE001
                 log.exception("poll_listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
         return result
+
+    def _read_sources(self) -> list[SourceAnswer]:
+        """Every source's answer, read concurrently; a source never raises (its failures are its
+        targets' failures), but a bug in one is logged and costs only its own targets this poll."""
+        futures = []
+        for source in self._sources:
+            try:
+                futures.append((source, self._executor.submit(source.read)))
+            except RuntimeError:  # stop() shut the pool down
+                return []
+        answers = []
+        for source, future in futures:
+            try:
+                answers.append(future.result())
+            except concurrent.futures.CancelledError:
+                continue
+            except Exception:  # noqa: BLE001
+                log.exception("source_crashed", source=type(source).__name__)
+        return answers
+
+    def _source_readings(self, answer: SourceAnswer) -> list[Reading]:
+        """Each outcome through the same bookkeeping as a fetched page: up/down, windows, logs."""
+        readings: list[Reading] = []
+        for outcome in answer.outcomes:
+            state = self._states[outcome.target.key]
+            try:
+                if outcome.error is not None or (outcome.page is None and not outcome.unchanged):
+                    readings += self._failed(state, outcome.error or "no answer", answer.duration_seconds)
+                elif outcome.unchanged and state.last_error is None and state.readings:
+                    readings += state.readings  # no newer scrape: the last window still stands
+                elif outcome.page is not None:
+                    deployment = self._deployments[outcome.target.deployment]
+                    readings += self._succeeded(state, deployment, outcome.page, answer.duration_seconds)
+                else:
+                    readings += self._failed(state, "no newer scrape since a failed read", answer.duration_seconds)
+            except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
+                log.exception("poll_target_crashed", deployment=outcome.target.deployment, target=outcome.target.target)
+        return readings
 
     def _forget_gone(self, targets: Sequence[Target]) -> None:
         current = {target.key for target in targets}

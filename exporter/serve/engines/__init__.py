@@ -13,7 +13,7 @@ from exporter.serve.engines.exposition import PageError, PageScan, scan_page
 from exporter.serve.engines.families import Adapter, identities, index_series, select
 from exporter.serve.snapshot import Snapshot
 
-__all__ = ["ADAPTERS", "PageError", "PageReading", "read_page"]
+__all__ = ["ADAPTERS", "PageError", "PageReading", "PageScan", "read_page", "reading_from_scan", "wanted_names"]
 
 ADAPTERS: dict[str, Adapter] = {adapter.kind: adapter for adapter in (vllm.ADAPTER, sglang.ADAPTER, tgi.ADAPTER)}
 _ALL_WANTED = frozenset().union(*(adapter.wanted() for adapter in ADAPTERS.values()))
@@ -68,9 +68,23 @@ def _read(text: str | bytes, kind: str) -> PageReading:
         text = bytes(text).decode("utf-8", errors="replace")
     if not isinstance(text, str):
         raise PageError("not Prometheus text", f"got {type(text).__name__}, not text")
-    if kind != "auto" and kind not in ADAPTERS:
+    return reading_from_scan(scan_page(text, wanted_names(kind)), kind)
+
+
+def wanted_names(kind: str) -> frozenset[str]:
+    """The exact sample names `kind`'s adapter reads ("auto": every adapter's), so a reader that
+    is not a page (the Prometheus query source) asks for exactly what the page reader keeps."""
+    if kind == "auto":
+        return _ALL_WANTED
+    if kind not in ADAPTERS:
         raise PageError("unknown server kind", f"{kind!r} (known: auto, {', '.join(ADAPTERS)})")
-    scan = scan_page(text, ADAPTERS[kind].wanted() if kind != "auto" else _ALL_WANTED)
+    return ADAPTERS[kind].wanted()
+
+
+def reading_from_scan(scan: PageScan, kind: str = "auto") -> PageReading:
+    """One target's samples, however they were gathered, through the same detection and selection
+    as a fetched page: a page and a Prometheus query give the same Snapshots for the same samples."""
+    wanted_names(kind)  # refuses an unknown kind
     if kind == "auto":
         adapter = _detect(scan)  # raises if no engine's families are on the page
     else:

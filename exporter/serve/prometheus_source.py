@@ -1,0 +1,314 @@
+"""`targets.prometheus`: read a deployment's engines from the user's Prometheus (or Thanos, or Mimir)
+instead of fetching every server's page.
+
+Why: in most clusters Prometheus already scrapes every model server; a second scraper doubles the
+load on each server's API process and must be sharded by hand as the fleet grows, while the
+query path of Prometheus/Thanos/Mimir already holds every series (docs/scaling.md).
+
+What is asked, and why raw values: one instant query per poll for the whole deployment,
+`{__name__=~"<every sample name the adapters read>|up", <selector>}`, returns the latest scraped
+value of every counter, histogram bucket and gauge, exactly as the pages said them. They go through
+the page reader's own selection (`engines.reading_from_scan`) and the poller's own window code, so
+deltas, counter resets and the bucket-interpolated median are computed exactly as for fetched pages.
+`increase()` was the other choice and is worse here: it extrapolates to the range's edges (counts
+that are not whole numbers, steps that never happened), its range must match the poll interval,
+and the median would come from extrapolated buckets; raw values need none of that.
+
+The same query also asks `timestamp(up{<selector>})`, tagged with a label of its own: it says when
+Prometheus last scraped each target. A poll that finds no newer scrape keeps the target's readings
+as they are (a window of zero steps would blank its measured step), and a scrape older than
+`stale_after` makes the target down. One query, not several, because Prometheus answers one query
+from one consistent view of its head block: every sample of one scrape, or none.
+
+Each scrape target (`job`, `instance`) is one daemon target labelled by its `instance`; the labels
+Prometheus added to it (those on its `up`: job, instance, namespace, pod, ...) are taken off its
+series before reading, so they look as they did on the page. Failures are target failures: a query
+error, a timeout, a Prometheus that is down or a partial answer (Thanos/Mimir `warnings`) make every
+target of the deployment down with the reason; a target whose `up` is 0 is down with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+from urllib.parse import urlsplit
+
+import requests
+import structlog
+
+from exporter.serve.config import Deployment, PrometheusTargets
+from exporter.serve.discovery import Target
+from exporter.serve.engines import PageError, PageReading, PageScan, reading_from_scan, wanted_names
+from exporter.serve.engines.exposition import parse_value
+
+log = structlog.get_logger("stepbudget.prometheus_source")
+
+SCRAPE_TIME_LABEL = "stepbudget_scrape_time"  # tags the timestamp(up) series in the one answer
+CHUNK_BYTES = 1 << 20
+ScrapeKey = tuple[str, str]  # (job, instance): one scrape target of the user's Prometheus
+
+
+class QueryError(Exception):
+    """The query API did not give a complete answer; `reason` is what every target logs."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TargetOutcome:
+    """What one poll learned about one target: new samples, a failure, or no newer scrape."""
+
+    target: Target
+    page: PageReading | None = None
+    error: str | None = None
+    unchanged: bool = False
+
+
+@dataclass(frozen=True)
+class SourceResult:
+    outcomes: tuple[TargetOutcome, ...]
+    duration_seconds: float
+
+
+@dataclass
+class ScrapedTarget:
+    """One scrape target's part of the answer."""
+
+    target_labels: dict[str, str]
+    up: float
+    scrape_seconds: float | None = None
+    samples: list[tuple[str, dict[str, str], str]] = field(default_factory=list)
+
+
+def series_query(names: Iterable[str], selector: str) -> str:
+    """The one instant query: every wanted sample and `up`, plus `up`'s sample timestamps.
+
+    `or` keeps the timestamp series because their extra label makes their label sets differ from
+    `up`'s; sample names hold only [a-zA-Z0-9_:], nothing a regex would read specially.
+    """
+    alternatives = "|".join(sorted({"up", *names}))
+    matchers = f",{selector}" if selector else ""
+    return (f'{{__name__=~"{alternatives}"{matchers}}} or '
+            f'label_replace(timestamp(up{{{selector}}}), "{SCRAPE_TIME_LABEL}", "1", "", "")')
+
+
+def read_body(response: requests.Response, deadline: float, limit: int,
+              monotonic: Callable[[], float] = time.monotonic) -> bytes:
+    """The whole body, or QueryError past the deadline or the size limit: a read timeout is per
+    recv, so a server trickling bytes would otherwise hold the poll forever."""
+    chunks, size = [], 0
+    for chunk in response.iter_content(CHUNK_BYTES):
+        size += len(chunk)
+        if size > limit:
+            raise QueryError(f"answer over {limit} bytes (raise targets.prometheus.max_response_bytes or narrow the selector)")
+        if monotonic() > deadline:
+            raise QueryError("answer not complete within the timeout")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_answer(status: int, body: bytes) -> list[dict[str, Any]]:
+    """The result vector of a Prometheus API answer; QueryError for errors and partial answers."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise QueryError(f"HTTP {status}: not a Prometheus API answer") from None
+    if not isinstance(payload, dict):
+        raise QueryError(f"HTTP {status}: not a Prometheus API answer")
+    if payload.get("status") != "success":
+        detail = f"{payload.get('errorType', 'error')}: {payload.get('error', '')}".strip(": ")
+        raise QueryError(f"query failed (HTTP {status}): {detail}"[:300])
+    warnings = payload.get("warnings") or []
+    if warnings:
+        # Thanos/Mimir say a store or querier did not answer: some targets' series may be missing.
+        raise QueryError(f"partial response: {'; '.join(map(str, warnings))}"[:300])
+    data = payload.get("data") or {}
+    if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
+        raise QueryError(f"unexpected answer: resultType {data.get('resultType')!r}")
+    return data["result"]
+
+
+def group_by_target(result: list[dict[str, Any]]) -> dict[ScrapeKey, ScrapedTarget]:
+    """The answer sorted by scrape target; series with no `up` of their own (not from a scrape
+    this selector covers) are left out, since their target labels cannot be told apart."""
+    ups: dict[ScrapeKey, ScrapedTarget] = {}
+    times: dict[ScrapeKey, float] = {}
+    series: dict[ScrapeKey, list[tuple[str, dict[str, str], str]]] = {}
+    for item in result:
+        labels = dict(item["metric"])
+        value = item["value"][1]
+        name = labels.pop("__name__", "")
+        key = (labels.get("job", ""), labels.get("instance", ""))
+        if SCRAPE_TIME_LABEL in labels:
+            times[key] = float(value)
+        elif name == "up":
+            ups[key] = ScrapedTarget(labels, float(value))
+        else:
+            series.setdefault(key, []).append((name, labels, value))
+    for key, scraped in ups.items():
+        scraped.scrape_seconds = times.get(key)
+        scraped.samples = series.get(key, [])
+    return ups
+
+
+def page_scan(scraped: ScrapedTarget) -> PageScan:
+    """One target's series as the page reader's PageScan, less the labels Prometheus added."""
+    scan = PageScan()
+    added = scraped.target_labels.items()
+    seen: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
+    for name, labels, text in scraped.samples:
+        own = {k: v for k, v in labels.items() if (k, v) not in added}
+        value = parse_value(text)
+        if value is None:
+            scan.problems.append(f"{name}{own}: value {text!r} is not a number: skipped")
+            continue
+        key = (name, tuple(sorted(own.items())))
+        entries = scan.samples.setdefault(name, [])
+        if key in seen:
+            # Two series equal but for a label Prometheus added (e.g. a replica label): keep one.
+            scan.problems.append(f"duplicate series {name}{own} once Prometheus's labels are off: kept the last value")
+            entries[seen[key]] = (own, value)
+            continue
+        seen[key] = len(entries)
+        entries.append((own, value))
+        scan.sample_lines += 1
+    return scan
+
+
+class PrometheusSource:
+    """One deployment's targets and samples, read from the query API once per poll."""
+
+    def __init__(self, deployment: Deployment, *, timeout_seconds: float, stale_after_seconds: float,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+                 session: requests.Session | None = None,
+                 keep: Callable[[list[Target]], list[Target]] | None = None) -> None:
+        if deployment.prometheus is None:
+            raise ValueError(f"deployment {deployment.name!r} has no targets.prometheus")
+        self.deployment = deployment
+        self.spec: PrometheusTargets = deployment.prometheus
+        self._timeout_seconds = timeout_seconds
+        self._stale_after_seconds = stale_after_seconds
+        self._clock = clock
+        self._monotonic = monotonic
+        self._session = session or _session()
+        self._keep = keep  # this shard's share of the targets (sharding), or all
+        self._query = series_query(wanted_names(deployment.kind), self.spec.selector)
+        self._targets: dict[ScrapeKey, Target] = {}  # last answer's targets: what a failed query marks down
+        self._read_at: dict[ScrapeKey, float] = {}  # scrape time of the last samples read, per target
+
+    @property
+    def query(self) -> str:
+        return self._query
+
+    def describe(self) -> dict[str, str]:
+        """What the start-up log says about this deployment's mode."""
+        return {"mode": "prometheus", "url": self.spec.url, "selector": self.spec.selector}
+
+    def read(self) -> SourceResult:
+        """Every target's outcome; never raises: a failed query is every target's failure."""
+        started = self._monotonic()
+        try:
+            scraped = group_by_target(self._ask())
+        except Exception as error:  # noqa: BLE001 - QueryError, connection errors, anything: targets go down
+            reason = getattr(error, "reason", None)
+            reason = reason if isinstance(reason, str) else _connection_reason(error)
+            return SourceResult(self._all_down(f"prometheus {reason}"), self._monotonic() - started)
+        outcomes = self._outcomes(scraped)
+        return SourceResult(tuple(outcomes), self._monotonic() - started)
+
+    def close(self) -> None:
+        self._session.close()
+
+    # --- the query ---------------------------------------------------------------------------
+
+    def _ask(self) -> list[dict[str, Any]]:
+        headers = {"Accept": "application/json"}
+        token = self.spec.auth.bearer_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if self.spec.tenant:
+            headers["X-Scope-OrgID"] = self.spec.tenant
+        tls = self.spec.tls
+        verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
+        deadline = self._monotonic() + self._timeout_seconds
+        # POST: a long selector stays out of URL length limits; partial_response=false asks Thanos
+        # for an error rather than a silently partial answer (Prometheus and Mimir ignore it).
+        with self._session.post(f"{self.spec.url}/api/v1/query",
+                                data={"query": self._query, "partial_response": "false"},
+                                headers=headers, timeout=(self._timeout_seconds, self._timeout_seconds),
+                                verify=verify, stream=True) as response:
+            body = read_body(response, deadline, self.spec.max_response_bytes, self._monotonic)
+            return decode_answer(response.status_code, body)
+
+    # --- from the answer to outcomes ---------------------------------------------------------
+
+    def _outcomes(self, scraped: Mapping[ScrapeKey, ScrapedTarget]) -> list[TargetOutcome]:
+        targets = self._name_targets(scraped)
+        mine = {target.key for target in (self._keep(list(targets.values())) if self._keep else targets.values())}
+        self._targets = {key: target for key, target in targets.items() if target.key in mine}
+        for key in [key for key in self._read_at if key not in self._targets]:
+            del self._read_at[key]
+        return [self._outcome(key, target, scraped[key]) for key, target in self._targets.items()]
+
+    def _name_targets(self, scraped: Mapping[ScrapeKey, ScrapedTarget]) -> dict[ScrapeKey, Target]:
+        """`instance` is the `target` label; where two jobs scrape one instance, the job is added."""
+        instances = [instance for _, instance in scraped]
+        targets = {}
+        for (job, instance), entry in sorted(scraped.items()):
+            label = instance if instances.count(instance) == 1 else f"{instance}/{job}"
+            url = f"{self.spec.url}/api/v1/query#job={job},instance={instance}"
+            targets[(job, instance)] = Target(self.deployment.name, url, label,
+                                              namespace=entry.target_labels.get("namespace"),
+                                              pod=entry.target_labels.get("pod"))
+        return targets
+
+    def _outcome(self, key: ScrapeKey, target: Target, scraped: ScrapedTarget) -> TargetOutcome:
+        if scraped.up != 1:
+            self._read_at.pop(key, None)
+            return TargetOutcome(target, error=f"Prometheus cannot scrape it (up {scraped.up:g})")
+        at = scraped.scrape_seconds
+        if at is not None and self._clock() - at > self._stale_after_seconds:
+            self._read_at.pop(key, None)
+            return TargetOutcome(target, error=f"Prometheus's last scrape of it is {self._clock() - at:.0f}s old")
+        if at is not None and self._read_at.get(key) == at:
+            return TargetOutcome(target, unchanged=True)
+        try:
+            page = reading_from_scan(page_scan(scraped), self.deployment.kind)
+        except PageError as error:
+            self._read_at.pop(key, None)
+            return TargetOutcome(target, error=str(error))
+        except Exception as error:  # noqa: BLE001 - a reader bug fails this target, never the poll
+            self._read_at.pop(key, None)
+            return TargetOutcome(target, error=f"unreadable series: {type(error).__name__}: {error}"[:300])
+        if at is not None:
+            self._read_at[key] = at
+        return TargetOutcome(target, page=page)
+
+    def _all_down(self, reason: str) -> tuple[TargetOutcome, ...]:
+        """Every known target down; before any answer, one target named after Prometheus itself,
+        so that a deployment whose Prometheus never answered still shows `target_up 0`."""
+        self._read_at.clear()
+        if self._targets:
+            return tuple(TargetOutcome(target, error=reason) for target in self._targets.values())
+        label = urlsplit(self.spec.url).netloc or self.spec.url
+        return (TargetOutcome(Target(self.deployment.name, self.spec.url, label), error=reason),)
+
+
+def _session() -> requests.Session:
+    session = requests.Session()
+    session.trust_env = False  # no proxy or netrc from the environment: the config says where Prometheus is
+    return session
+
+
+def _connection_reason(error: BaseException) -> str:
+    text = str(error)
+    for marker in ("Connection refused", "Read timed out", "Connect timeout", "Name or service not known",
+                   "certificate verify failed", "Connection reset"):
+        if marker in text:
+            return f"unreachable: {marker}"
+    return f"unreachable: {type(error).__name__}: {text}"[:300]
+
