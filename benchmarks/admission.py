@@ -24,9 +24,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import structlog
 
@@ -34,16 +34,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from exporter.admission import wiring as admission_module
-from exporter.serve import daemon as daemon_module  # noqa: E402
 from exporter.admission.api import AdmissionApi
 from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy
 from exporter.admission.client import AdmissionClient  # noqa: E402
-from exporter.serve.config import config_from_mapping  # noqa: E402
 from exporter.admission.integrations.simulated_gateway import (  # noqa: E402
-    MODES, scenario_groups, format_run, run_agents_join,
+    MODES,
+    format_run,
+    run_agents_join,
+    scenario_groups,
 )
-from exporter.simulator import load_scenario  # noqa: E402
-from exporter.simulator import ServerSpec, start_server  # noqa: E402
+from exporter.serve import daemon as daemon_module  # noqa: E402
+from exporter.serve.config import config_from_mapping  # noqa: E402
+from exporter.simulator import (  # noqa: E402
+    ServerSpec,
+    load_scenario,
+    start_server,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = 16

@@ -19,8 +19,8 @@ import random
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 MODES = ("ok", "refuse", "500", "garbage", "slow", "slow_headers", "truncated", "huge")
 SLOW_BYTE_SECONDS = 0.25  # slow mode trickles one byte this often (faster than any read timeout)

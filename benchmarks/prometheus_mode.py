@@ -35,6 +35,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.scale import free_port, machine  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 SCRAPE_SECONDS = 15.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -157,10 +158,9 @@ def measure(engines: int, cycles: int, prometheus: str, promtool: str) -> Row:
     from benchmarks.fleet import PageBook
     from exporter.serve.config import config_from_mapping
     from exporter.serve.discovery import Discovery
-    from exporter.serve.engines import read_page
+    from exporter.serve.engines import read_page, wanted_names
     from exporter.serve.poller import Poller
     from exporter.serve.prometheus_source import series_query
-    from exporter.serve.engines import wanted_names
 
     directory = Path(tempfile.mkdtemp(prefix="stepbudget-prommode-"))
     process = None

@@ -71,7 +71,7 @@ def measure(count: int, cycles: int) -> dict:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:
-                    if f'stepbudget_target_up{{' in requests.get(url, timeout=5).text:
+                    if 'stepbudget_target_up{' in requests.get(url, timeout=5).text:
                         break
                 except requests.RequestException:
                     pass

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as dash
@@ -344,7 +344,7 @@ def pools() -> dash.Dashboard:
                 "Requests preempted per second over the pool (5m rate).",
                 [Query(f"deployment_model_name:stepbudget_preemptions:rate5m{{{sel}}}", "{{deployment}}")],
                 min_value=0),
-            
+
                 Stat().id(7).title("Pool token budget utilization now").unit("percentunit").datasource(DATASOURCE)
                 .description("Latest pool utilization per deployment and model; red at 100%.")
                 .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",

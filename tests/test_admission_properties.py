@@ -128,7 +128,7 @@ def test_threads_admitting_and_releasing_never_overbook_and_leave_nothing_behind
     def work(index: int) -> None:
         try:
             run_rounds(index)
-        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+        except BaseException as error:  # reported by the main thread
             errors.append(error)
 
     def run_rounds(index: int) -> None:

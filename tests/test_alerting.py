@@ -7,7 +7,6 @@ clock; the Alertmanager API v2 protocol (resend cadence, endsAt); and a real Ale
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -16,19 +15,28 @@ import structlog
 import yaml
 from structlog.testing import capture_logs
 
+from exporter.errors import InputError
 from exporter.serve.alert_rules import TemplateError, humanize_duration, render
 from exporter.serve.alerting import (
-    CONDITIONS, KV_CACHE_NEARLY_FULL_RATIO, DRIFT_THRESHOLD_RATIO, PAGE_ALERT, PREEMPTION_WINDOW_SECONDS,
-    PROMETHEUS_ONLY, AlertLoop, load_rules, packaged_rules, post_alerts,
+    CONDITIONS,
+    DRIFT_THRESHOLD_RATIO,
+    KV_CACHE_NEARLY_FULL_RATIO,
+    PAGE_ALERT,
+    PREEMPTION_WINDOW_SECONDS,
+    PROMETHEUS_ONLY,
+    AlertLoop,
+    load_rules,
+    packaged_rules,
+    post_alerts,
 )
 from exporter.serve.config import Alerting
-from exporter.errors import InputError
 from exporter.serve.reading import Reading
 from exporter.units import parse_duration_seconds
 from tests.support.alertmanager import Alertmanager
 from tests.support.clocks import ManualClock
 from tests.support.monitoring import ALERTS_FILE as RULES_FILE
 from tests.support.servers import wait_until
+
 SERIES = {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0",
           "namespace": "llm", "pod": "vllm-0"}
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
 
 import pytest
 
 from exporter.capacity import calibrate
-from exporter.cli import main
 from exporter.capacity.deployment import build_setup
 from exporter.capacity.presets import get_model_preset
+from exporter.cli import main
 
 QWEN3_KV = 2 * 36 * 8 * 128 * 2
 QWEN3_WEIGHTS = 8.19e9 * 2

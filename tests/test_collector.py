@@ -16,11 +16,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__
+from exporter.capacity.presets import get_gpu, get_model_preset
 from exporter.serve.collector import PER_TARGET, make_registry
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.discovery import Discovery
 from exporter.serve.poller import Poller
-from exporter.capacity.presets import get_gpu, get_model_preset
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller

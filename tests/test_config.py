@@ -15,11 +15,18 @@ from pathlib import Path
 import pytest
 
 from exporter import cli
-from exporter.serve.config import (
-    DEFAULT_MAX_RESPONSE_BYTES, ConfigError, Key, Section, config_from_mapping, daemon_sections, load_config,
-    read_document, top_level_keys,
-)
 from exporter.config_validators import string
+from exporter.serve.config import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    ConfigError,
+    Key,
+    Section,
+    config_from_mapping,
+    daemon_sections,
+    load_config,
+    read_document,
+    top_level_keys,
+)
 from exporter.serve.daemon import build_parser, config_from_args
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))

@@ -11,9 +11,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests

@@ -26,10 +26,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -37,14 +38,42 @@ import yaml
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS
 from exporter.units import parse_duration_seconds
 from tests.support.e2e.quickstart import (
-    KUBE_PROMETHEUS_STACK_VALUES, OPERATOR_ALERT_RELABEL_CONFIGS, OPERATOR_EXTERNAL_LABELS, QUICKSTART,
-    STEPBUDGET_VALUES, heredoc, helm_set_flags, quickstart_alert_relabel_configs, values,
+    KUBE_PROMETHEUS_STACK_VALUES,
+    OPERATOR_ALERT_RELABEL_CONFIGS,
+    OPERATOR_EXTERNAL_LABELS,
+    QUICKSTART,
+    STEPBUDGET_VALUES,
+    helm_set_flags,
+    heredoc,
+    quickstart_alert_relabel_configs,
+    values,
 )
 from tests.support.e2e.stack import (
-    Deadline, DaemonHistory, ManagedProcess, PrometheusApi, RecordingServer, SeriesKey, alertmanager_alerts,
-    alertmanager_config, compare_pages, copy_rules_with_for, describe, differences_besides_for, get_text,
-    panels, parse_exposition, poll_times, posted_alerts, prometheus_config, rate_interval, resolve_variables,
-    start_process, substitute, wait_for, webhook_alerts, write_yaml,
+    DaemonHistory,
+    Deadline,
+    ManagedProcess,
+    PrometheusApi,
+    RecordingServer,
+    SeriesKey,
+    alertmanager_alerts,
+    alertmanager_config,
+    compare_pages,
+    copy_rules_with_for,
+    describe,
+    differences_besides_for,
+    get_text,
+    panels,
+    parse_exposition,
+    poll_times,
+    posted_alerts,
+    prometheus_config,
+    rate_interval,
+    resolve_variables,
+    start_process,
+    substitute,
+    wait_for,
+    webhook_alerts,
+    write_yaml,
 )
 from tests.support.monitoring import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO
 from tests.support.servers import free_port
@@ -427,7 +456,7 @@ def _check_group(stack: Stack, records: list[str]) -> list[str] | None:
                  for k in recorded.keys() - expected.keys()]
     for key in expected.keys() & recorded.keys():
         want, got = expected[key], recorded[key]
-        if isinstance(want, bool) and (got > 0) != want or not isinstance(want, bool) and got != want:
+        if (isinstance(want, bool) and (got > 0) != want) or (not isinstance(want, bool) and got != want):
             problems.append(f"{describe(key)}: expected {want!r}, recorded {got!r} (evaluated at {at_seconds})")
     return problems or None
 

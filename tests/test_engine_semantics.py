@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from exporter.capacity import model
-from exporter.serve.config import Config, config_from_mapping
 from exporter.capacity.presets import get_model_preset
+from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.snapshot import Histogram, Snapshot
 from exporter.serve.window import compute_window
 from tests.support.clocks import ManualClock

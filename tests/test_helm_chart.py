@@ -46,7 +46,7 @@ def _helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([require_tool("helm"), *args], capture_output=True, text=True, check=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_text(values: Path | None, sets: tuple[str, ...] = ()) -> str:
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     if values:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import http.client
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from exporter.capacity import model
 from exporter.capacity.deployment import build_setup
-from exporter.errors import InputError
 from exporter.capacity.model import Architecture, CalibrationPoint, RequestGroup
 from exporter.capacity.presets import MODELS, get_model_preset
+from exporter.errors import InputError
 
 KIB = 1024
 H100_PEAK_BYTES_PER_SECOND = 3.35e12

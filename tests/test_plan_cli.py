@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cli import main
-from exporter.capacity.planner import build_plan, curve_points, predict_loads, parse_load
 from exporter.capacity.deployment import build_setup
-from exporter.capacity.presets import get_model_preset
 from exporter.capacity.model import RequestGroup
+from exporter.capacity.planner import build_plan, curve_points, parse_load, predict_loads
+from exporter.capacity.presets import get_model_preset
+from exporter.cli import main
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 QWEN3_KV = 2 * 36 * 8 * 128 * 2

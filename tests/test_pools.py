@@ -11,14 +11,19 @@ import json
 
 import pytest
 
-from exporter.cli import main
 from exporter.capacity.deployment import build_setup
-from exporter.errors import InputError
 from exporter.capacity.model import RequestGroup
 from exporter.capacity.pools import (
-    DEFAULT_SPLIT_TOKENS, parse_split, plan_pools, pools_to_json, run_if_asked, split_loads,
+    DEFAULT_SPLIT_TOKENS,
+    parse_split,
+    plan_pools,
+    pools_to_json,
+    run_if_asked,
+    split_loads,
 )
 from exporter.capacity.presets import get_model_preset
+from exporter.cli import main
+from exporter.errors import InputError
 
 KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head dim, bf16
 WEIGHT_BYTES = 8.19e9 * 2

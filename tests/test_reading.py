@@ -9,12 +9,12 @@ import math
 
 import pytest
 
+from exporter.capacity import model
 from exporter.serve.config import Deployment, config_from_mapping
 from exporter.serve.discovery import Target
 from exporter.serve.reading import IDLE_CONTEXT_TOKENS, derive_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window
-from exporter.capacity import model
 
 TARGET = Target("chat", "http://10.0.0.5:8000/metrics", "10.0.0.5:8000", namespace="llm", pod="vllm-0")
 

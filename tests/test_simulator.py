@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from exporter.errors import InputError
 from exporter.capacity.presets import GPUS, MODELS
+from exporter.errors import InputError
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from exporter.simulator.scenarios import ClosedLoopGroup
 

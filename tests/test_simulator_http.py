@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import requests

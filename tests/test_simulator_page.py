@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.serve.engines import read_page
 from exporter.errors import InputError
+from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario
 
 REFERENCE = Path(__file__).parent / "data" / "vllm_reference" / "vllm_v1_RECONSTRUCTED_single_process.txt"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.serve.engines import read_page
 from exporter.errors import InputError
+from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from tests.test_simulator import _blocks_by_hand, _step
 from tests.test_simulator_page import _structure

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import pytest
 from prometheus_client import generate_latest
 
 from exporter.capacity import calibrate, model
+from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.serve.collector import make_registry
 from exporter.serve.config import Deployment, config_from_mapping
-from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.serve.discovery import Target
 from exporter.serve.engines import read_page
 from exporter.serve.reading import Reading, derive_reading
+from exporter.serve.window import compute_window
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerSpec, Simulator, load_scenario
 from exporter.simulator.engine import single_stream_token_seconds
-from exporter.serve.window import compute_window
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15
@@ -67,7 +67,7 @@ class Poll:
     agent_prefill_in_window: bool
 
 
-@lru_cache(maxsize=None)
+@cache
 def _run(scenario: str, until_seconds: float) -> tuple[tuple[Poll, ...], Deployment]:
     deployment = _deployment()
     target = Target(deployment="pool", url="http://127.0.0.1:8000/metrics", target="127.0.0.1:8000")

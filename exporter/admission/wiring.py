@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from exporter.admission.api import AdmissionApi, ApiResponse, read_token_file
 from exporter.admission.book import (

@@ -24,15 +24,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import requests
 import structlog
 
+from exporter.errors import InputError
 from exporter.serve.alert_rules import AlertRule, load_alert_rules
 from exporter.serve.config import Alerting
-from exporter.errors import InputError
 from exporter.serve.reading import Reading
 
 log = structlog.get_logger("stepbudget.alerting")
@@ -173,7 +173,7 @@ def _with_page_for(rules: Iterable[AlertRule], for_seconds: float | None) -> tup
 
 
 def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class AlertLoop:
@@ -201,7 +201,7 @@ class AlertLoop:
 
     def on_poll(self, result: object) -> None:
         """Poller listener."""
-        self.evaluate(getattr(result, "readings"), self._clock())
+        self.evaluate(result.readings, self._clock())
 
     def evaluate(self, readings: Sequence[Reading], now: float) -> list[dict[str, object]]:
         """Advance every alert's state to `now`; post what is due; return what was posted."""
@@ -281,7 +281,7 @@ class AlertLoop:
         for url in self._urls:
             try:
                 self._post(url, alerts, self._timeout)
-            except Exception as error:  # noqa: BLE001 - Alertmanager down is logged, never fatal
+            except Exception as error:  # Alertmanager down is logged, never fatal
                 log.warning("alertmanager_post_failed", url=url, alerts=len(alerts),
                             reason=f"{type(error).__name__}: {str(error)[:200]}")
 

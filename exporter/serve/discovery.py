@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 import socket
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
@@ -80,7 +81,7 @@ def resolve_addresses(name: str, port: int, timeout_seconds: float, resolver: Re
     def lookup() -> None:
         try:
             outcome["infos"] = resolver(name, port, 0, socket.SOCK_STREAM)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
+        except BaseException as error:  # handed to the caller
             outcome["error"] = error
         finally:
             _DNS_SLOTS.release()
@@ -210,7 +211,7 @@ class Discovery:
         key = (deployment.name, source)
         try:
             found = lookup()
-        except Exception as error:  # noqa: BLE001 - any discovery failure keeps the last good list
+        except Exception as error:  # any discovery failure keeps the last good list
             kept = self._last.get(key, [])
             reason = f"{type(error).__name__}: {error}"[:300]
             if self._last_error.get(key) != reason:  # once per change, not once per poll

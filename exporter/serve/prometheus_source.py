@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import requests
@@ -213,7 +214,7 @@ class PrometheusSource:
         started = self._monotonic()
         try:
             scraped = group_by_target(self._ask())
-        except Exception as error:  # noqa: BLE001 - QueryError, connection errors, anything: targets go down
+        except Exception as error:  # QueryError, connection errors, anything: targets go down
             reason = getattr(error, "reason", None)
             reason = reason if isinstance(reason, str) else _connection_reason(error)
             return SourceResult(self._all_down(f"prometheus {reason}"), self._monotonic() - started)
@@ -281,7 +282,7 @@ class PrometheusSource:
         except PageError as error:
             self._read_at.pop(key, None)
             return TargetOutcome(target, error=str(error))
-        except Exception as error:  # noqa: BLE001 - a reader bug fails this target, never the poll
+        except Exception as error:  # a reader bug fails this target, never the poll
             self._read_at.pop(key, None)
             return TargetOutcome(target, error=f"unreadable series: {type(error).__name__}: {error}"[:300])
         if at is not None:

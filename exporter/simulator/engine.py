@@ -35,12 +35,19 @@ import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from exporter.errors import InputError
 from exporter.capacity.presets import get_gpu, get_model_preset
-from exporter.simulator.hardware import HardwareTruth, ModelBytes, ScheduledSequence, StepPhysics, model_bytes, num_gpu_blocks
+from exporter.errors import InputError
+from exporter.simulator.hardware import (
+    HardwareTruth,
+    ModelBytes,
+    ScheduledSequence,
+    StepPhysics,
+    model_bytes,
+    num_gpu_blocks,
+)
 from exporter.simulator.scenarios import ClosedLoopGroup, Group, PoissonGroup, Scenario, ScriptedGroup
 from exporter.simulator.vllm_metrics import EngineCounters, VllmPage
 
@@ -96,8 +103,8 @@ class SimRequest:
     user: int | None = None
     leave_at_seconds: float | None = None
     finish_reason_at_max: str = "length"  # "stop" for scenario requests: they model a natural end
-    on_token: Callable[["SimRequest"], None] | None = None
-    on_finish: Callable[["SimRequest"], None] | None = None
+    on_token: Callable[[SimRequest], None] | None = None
+    on_finish: Callable[[SimRequest], None] | None = None
     cached_prefix_tokens: int = 0  # of the prompt, already in this engine's prefix cache
     engine: int = 0  # index into Simulator.engines
     output_tokens: int = 0

@@ -22,11 +22,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-
 from typing import Protocol
 
-from exporter.errors import InputError
 from exporter.capacity.presets import Gpu
+from exporter.errors import InputError
 
 
 class ArchitectureData(Protocol):

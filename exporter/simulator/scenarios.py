@@ -95,7 +95,7 @@ class ScenarioSettings:
         changes = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         return replace(spec, **changes)  # type: ignore[type-var]
 
-    def overridden_by(self, other: "ScenarioSettings") -> "ScenarioSettings":
+    def overridden_by(self, other: ScenarioSettings) -> ScenarioSettings:
         return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
                                 if getattr(other, f.name) is not None})
 

@@ -6,8 +6,8 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 import pytest
 import requests
@@ -71,7 +71,7 @@ class PageServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 server.requests.append({"path": self.path, "client_port": str(self.client_address[1]),
                                         **{k.lower(): v for k, v in self.headers.items()}})
                 try:
@@ -79,7 +79,7 @@ class PageServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._httpd = _QuietServer((host, 0), Handler)
