@@ -36,16 +36,16 @@ sys.path.insert(0, str(ROOT))
 from exporter.admission import wiring as admission_module
 from exporter.admission.api import AdmissionApi
 from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy
-from exporter.admission.client import AdmissionClient  # noqa: E402
-from exporter.admission.integrations.simulated_gateway import (  # noqa: E402
+from exporter.admission.client import AdmissionClient
+from exporter.admission.integrations.simulated_gateway import (
     MODES,
     format_run,
     run_agents_join,
     scenario_groups,
 )
-from exporter.serve import daemon as daemon_module  # noqa: E402
-from exporter.serve.config import config_from_mapping  # noqa: E402
-from exporter.simulator import (  # noqa: E402
+from exporter.serve import daemon as daemon_module
+from exporter.serve.config import config_from_mapping
+from exporter.simulator import (
     ServerSpec,
     load_scenario,
     start_server,

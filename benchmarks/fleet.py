@@ -125,7 +125,7 @@ class Fleet:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=120)  # type: ignore[arg-type]
 
     async def _start(self) -> int:
-        for attempt in range(20):
+        for _attempt in range(20):
             probe = socket.socket()
             probe.bind((address_of(0), 0))
             port = probe.getsockname()[1]

@@ -34,7 +34,7 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.scale import free_port, machine  # noqa: E402
+from benchmarks.scale import free_port, machine
 
 RESULTS = REPO / "benchmarks" / "results"
 SCRAPE_SECONDS = 15.0

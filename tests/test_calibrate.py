@@ -52,7 +52,7 @@ def test_two_offline_points_fit_bandwidth_and_overhead(capsys: pytest.CaptureFix
     assert "per-step overhead    0.400 ms" in text
     own = [qwen3_read_bytes(c) / gap for c, gap in gaps.items()]
     assert f"spread {max(own) / min(own) - 1:.1%}, within the 15% tolerance" in text
-    assert main(argv + ["--json"]) == 0
+    assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(bandwidth)
     assert out["step_overhead_seconds"] == pytest.approx(overhead)

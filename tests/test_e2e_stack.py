@@ -214,8 +214,8 @@ def test_the_short_for_copy_differs_from_the_rules_only_in_for(tmp_path: Path) -
     path = copy_rules_with_for(ALERTS_FILE, tmp_path / "copy.yaml", {PAGE: SHORT_FOR})
     copy = yaml.safe_load(path.read_text())
     assert differences_besides_for(original, copy) == []
-    fors = {(r["alert"], r["for"], c["for"]) for g, h in zip(original["groups"], copy["groups"])
-            for r, c in zip(g["rules"], h["rules"]) if r.get("for") != c.get("for")}
+    fors = {(r["alert"], r["for"], c["for"]) for g, h in zip(original["groups"], copy["groups"], strict=True)
+            for r, c in zip(g["rules"], h["rules"], strict=True) if r.get("for") != c.get("for")}
     assert fors == {(PAGE, _page_rule()["for"], SHORT_FOR)}
     # The comparison itself can fail: any other change is reported.
     copy["groups"][0]["rules"][0]["labels"]["severity"] = "page"
@@ -406,15 +406,15 @@ def _expected_pool_rules(raw: dict[SeriesKey, float], target_rates: dict[SeriesK
     """What the pool-level recording rules must give: sums, counts, extremes and ratios per pool."""
     expected: dict[SeriesKey, float] = {}
     for suffix, (aggregate, source) in POOL_AGGREGATES.items():
-        for pool, values in _per_pool(_by_target(raw, source)).items():
-            expected[(POOL + suffix, pool)] = aggregate(values)
+        for pool, pool_values in _per_pool(_by_target(raw, source)).items():
+            expected[(POOL + suffix, pool)] = aggregate(pool_values)
     predicted = _by_target(raw, "stepbudget_predicted_step_seconds")
     budget = _by_target(raw, "stepbudget_step_budget_seconds")
     over = {labels: float(predicted[labels] > budget[labels]) for labels in predicted.keys() & budget.keys()}
-    for pool, values in _per_pool(over).items():
-        expected[(POOL + "targets_over_budget:sum", pool)] = sum(values)
-    for pool, values in _per_pool({labels: value for (_, labels), value in target_rates.items()}).items():
-        expected[(POOL + "preemptions:rate5m", pool)] = sum(values)
+    for pool, pool_values in _per_pool(over).items():
+        expected[(POOL + "targets_over_budget:sum", pool)] = sum(pool_values)
+    for pool, pool_values in _per_pool({labels: value for (_, labels), value in target_rates.items()}).items():
+        expected[(POOL + "preemptions:rate5m", pool)] = sum(pool_values)
     for ratio, denominator in POOL_RATIOS.items():
         for (name, pool), tokens in list(expected.items()):
             total = expected.get((POOL + denominator, pool), 0.0)
@@ -470,12 +470,12 @@ def test_recording_rules_compute_what_they_say_from_the_daemons_series(stack: St
     for group, records in _recorded_rules().items():
         last: list[list[str] | None] = [None]
 
-        def agrees(records: list[str] = records) -> bool:
+        def agrees(records: list[str] = records, last: list[list[str] | None] = last) -> bool:
             last[0] = _check_group(stack, records)
             return last[0] is None
 
         wait_for(agrees, timeout_seconds=20, deadline=stack.deadline, what=f"the {group} recording rules to agree",
-                 state=lambda: last[0])
+                 state=lambda last=last: last[0])
         recorded_names = {name for name, _ in stack.prometheus.samples(
             "{__name__=~\"" + "|".join(map(re.escape, records)) + "\"}")}
         assert recorded_names == set(records), f"recorded series with no data: {set(records) - recorded_names}"

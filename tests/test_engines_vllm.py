@@ -42,7 +42,7 @@ def test_current_single_process_page_every_field() -> None:
     assert snap.engine_steps_total == 164.0  # vllm:iteration_tokens_total_count
     itl = snap.inter_token_latency
     assert itl is not None
-    assert [le for le, _ in itl.buckets] == ITL_EDGES + [math.inf]  # edges read from the page
+    assert [le for le, _ in itl.buckets] == [*ITL_EDGES, math.inf]  # edges read from the page
     assert [count for _, count in itl.buckets] == [0.0] + [636.0] * 19
     assert (itl.count, itl.sum) == (636.0, 7.631999999999872)
     assert snap.tokens_in_flight is None

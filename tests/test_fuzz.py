@@ -156,7 +156,7 @@ def test_every_capture_exports_cleanly_against_itself_and_each_mutation_kind() -
         if not line.startswith("vllm:") or " " not in line:
             continue
         for bad in ("NaN", "-1", "+Inf"):
-            edited = "\n".join(lines[:number] + [line.rsplit(" ", 1)[0] + " " + bad] + lines[number + 1:])
+            edited = "\n".join([*lines[:number], line.rsplit(" ", 1)[0] + " " + bad, *lines[number + 1:]])
             later = read_or_page_error(edited, "vllm")
             for snapshot in later:
                 assert_snapshot_clean(snapshot)

@@ -346,7 +346,7 @@ def test_calibration_with_one_point_divides_bytes_by_the_gap() -> None:
 def test_calibration_with_two_points_fits_bandwidth_and_overhead() -> None:
     bandwidth, overhead = 2.2e12, 0.0015
     reads = [QWEN3_WEIGHT_BYTES + c * QWEN3_KV_BYTES_PER_TOKEN for c in (500, 60_000)]
-    points = [CalibrationPoint(overhead + r / bandwidth, c, r) for r, c in zip(reads, (500, 60_000))]
+    points = [CalibrationPoint(overhead + r / bandwidth, c, r) for r, c in zip(reads, (500, 60_000), strict=True)]
     result = model.calibrate(points)
     assert result.overhead_fitted
     assert result.effective_bandwidth_bytes_per_second == pytest.approx(bandwidth, rel=1e-9)

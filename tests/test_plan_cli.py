@@ -118,7 +118,7 @@ def test_the_plot_curve_is_the_per_user_speed_at_each_tokens_in_flight() -> None
     plan = build_plan(build_setup(get_model_preset("qwen3-8b"), "h100-sxm"))
     xs, ys = curve_points(plan)
     assert xs[0] == 0 and xs[-1] >= plan.kv_capacity_tokens
-    for x, y in zip(xs, ys):  # memory-bound all along: weights plus every token's KV, read once per step
+    for x, y in zip(xs, ys, strict=True):  # memory-bound all along: weights plus every token's KV, read once per step
         assert y == pytest.approx(H100_EFFECTIVE / (QWEN3_WEIGHTS + QWEN3_KV * x), rel=1e-9)
 
 

@@ -3,6 +3,7 @@ per-token observations, determinism, scenarios and the `simulate` verb's bad inp
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -101,7 +102,7 @@ def test_step_time_grows_with_tokens_in_flight() -> None:
 
     short = single_stream_token_seconds(ServerSpec(), 256, 20)
     long = single_stream_token_seconds(ServerSpec(), 16384, 20)
-    gap = lambda times: sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2 - 1]  # noqa: E731
+    gap = lambda times: sorted(b - a for a, b in itertools.pairwise(times))[len(times) // 2 - 1]  # noqa: E731
     extra_kv_bytes = (16384 - 256) * _kv_bytes_per_token_by_hand()
     peak = GPUS["h100-sxm"].peak_bandwidth_bytes_per_second
     # The KV term alone at any efficiency between 0.4 and 1.0 of the peak:

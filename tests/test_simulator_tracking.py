@@ -13,6 +13,7 @@ prediction_error_ratio is taken against the measured mean.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -43,7 +44,7 @@ def _calibration() -> model.Calibration:
     measurements = []
     for context in (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, calibrate.DEFAULT_LONG_CONTEXT_TOKENS):
         times = single_stream_token_seconds(SPEC, context, calibrate.DEFAULT_OUTPUT_TOKENS)
-        gaps = tuple(later - earlier for earlier, later in zip(times, times[1:]))
+        gaps = tuple(later - earlier for earlier, later in itertools.pairwise(times))
         measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
     return model.calibrate(calibrate.points_from_measurements(setup, measurements))
 
@@ -109,7 +110,7 @@ def _tracking_errors(polls: tuple[Poll, ...]) -> list[tuple[float, float]]:
 def test_calibration_from_one_stream_fits() -> None:
     calibration = _calibration()
     assert calibration.agrees
-    for point, fitted in zip(calibration.points, calibration.fitted_seconds):
+    for point, fitted in zip(calibration.points, calibration.fitted_seconds, strict=True):
         assert fitted == pytest.approx(point.itl_seconds, rel=0.02)
     # The simulated server pays a per-step launch/scheduling cost; the fit finds one.
     assert 0 < calibration.step_overhead_seconds < 0.005

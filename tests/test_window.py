@@ -27,7 +27,7 @@ EDGES = ("0.01", "0.025", "0.05")
 def page(buckets: list[float], itl_sum: float, prompt: float, steps: float, edges: tuple[str, ...] = EDGES) -> Snapshot:
     """A vLLM page with an ITL histogram (cumulative `buckets`, last is +Inf) and two counters."""
     labels = 'engine="0",model_name="m"'
-    lines = [f'vllm:inter_token_latency_seconds_bucket{{{labels},le="{le}"}} {count}' for le, count in zip(edges + ("+Inf",), buckets)]
+    lines = [f'vllm:inter_token_latency_seconds_bucket{{{labels},le="{le}"}} {count}' for le, count in zip((*edges, "+Inf"), buckets, strict=True)]
     lines += [
         f"vllm:inter_token_latency_seconds_count{{{labels}}} {buckets[-1]}",
         f"vllm:inter_token_latency_seconds_sum{{{labels}}} {itl_sum}",
@@ -134,7 +134,7 @@ def test_median_agrees_with_real_promql(tmp_path: Path, before: list[float], aft
     window = compute_window(page(before, 1.0, 0, 0), page(after, 2.6, 0, 1))
     series = "\n".join(
         f"      - series: 'itl_bucket{{le=\"{le}\"}}'\n        values: '{b} {a}'"
-        for le, b, a in zip(EDGES + ("+Inf",), before, after)
+        for le, b, a in zip((*EDGES, "+Inf"), before, after, strict=True)
     )
     (tmp_path / "rules.yaml").write_text("groups: []\n")
     (tmp_path / "test.yaml").write_text(
@@ -164,8 +164,8 @@ def _histogram(edges: list[float], increments: list[int]) -> Histogram:
     for step in increments:
         running += step
         counts.append(running)
-    buckets = tuple(zip(edges + [float("inf")], counts))
-    return Histogram(buckets=buckets, count=running, sum=sum(e * i for e, i in zip(edges + [edges[-1] * 2], increments)))
+    buckets = tuple(zip([*edges, float("inf")], counts, strict=True))
+    return Histogram(buckets=buckets, count=running, sum=sum(e * i for e, i in zip([*edges, edges[-1] * 2], increments, strict=True)))
 
 
 @settings(max_examples=200, deadline=None)

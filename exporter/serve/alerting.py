@@ -19,6 +19,7 @@ daemon dies; a cleared alert is posted with endsAt = now and re-posted for RESOL
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections import deque
@@ -58,7 +59,7 @@ class History:
         if len(self.preemptions) < 2:
             return None
         values = [value for _, value in self.preemptions]
-        return sum(b - a if b >= a else b for a, b in zip(values, values[1:]))
+        return sum(b - a if b >= a else b for a, b in itertools.pairwise(values))
 
 
 def _over(value: float | None, limit: float | None) -> float | None:

@@ -141,7 +141,7 @@ def _split_selector(selector: str) -> list[str]:
             current = ""
         else:
             current += char
-    return [term for term in terms + [current] if term.strip()]
+    return [term for term in [*terms, current] if term.strip()]
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class Discovery:
 
     def discover(self) -> list[Target]:
         targets: list[Target] = []
-        for deployment, static in zip(self._deployments, self._static):
+        for deployment, static in zip(self._deployments, self._static, strict=True):
             targets += static
             if deployment.dns is not None:
                 targets += self._guarded(deployment, "dns", lambda d=deployment: self._dns(d.name, d.dns))

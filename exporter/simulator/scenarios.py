@@ -17,12 +17,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from exporter.errors import InputError
 from exporter.suggest import close_names
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,8 @@ class ScriptedGroup:
     cached_ratio: float = 0.0
 
 
-Group = Union[ClosedLoopGroup, PoissonGroup, ScriptedGroup]
-Spec = TypeVar("Spec")
+Group = ClosedLoopGroup | PoissonGroup | ScriptedGroup
+Spec = TypeVar("Spec", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class ScenarioSettings:
 
     def applied_to(self, spec: Spec) -> Spec:
         changes = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        return replace(spec, **changes)  # type: ignore[type-var]
+        return replace(spec, **changes)
 
     def overridden_by(self, other: ScenarioSettings) -> ScenarioSettings:
         return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)

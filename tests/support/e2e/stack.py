@@ -235,7 +235,7 @@ def differences_besides_for(original: Any, copy: Any, where: str = "") -> list[s
     if isinstance(original, list) and isinstance(copy, list):
         if len(original) != len(copy):
             return [f"{where}: {len(original)} items vs {len(copy)}"]
-        return [difference for i, (a, b) in enumerate(zip(original, copy))
+        return [difference for i, (a, b) in enumerate(zip(original, copy, strict=True))
                 for difference in differences_besides_for(a, b, f"{where}[{i}]")]
     return [] if original == copy else [f"{where}: {original!r} vs {copy!r}"]
 
