@@ -318,7 +318,8 @@ class AdmissionBook:
             raise InputError("give either 'deployment' or 'pool', not both")
         if request.deployment is not None:
             if request.deployment not in self._policies:
-                raise InputError(f"unknown deployment {request.deployment!r}{close_names(request.deployment, self._policies)}; "
+                suggestion = close_names(request.deployment, self._policies)
+                raise InputError(f"unknown deployment {request.deployment!r}{suggestion}; "
                                  f"known: {', '.join(self._policies)}")
             return request.deployment, self._pool_of_deployment(request.deployment)
         if self.pools is None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 import structlog
@@ -35,6 +36,9 @@ from exporter.errors import InputError
 from exporter.serve.alert_rules import AlertRule, load_alert_rules
 from exporter.serve.config import Alerting
 from exporter.serve.reading import Reading
+
+if TYPE_CHECKING:
+    from exporter.serve.poller import PollResult
 
 log = structlog.get_logger("stepbudget.alerting")
 
@@ -120,9 +124,9 @@ def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
     rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
     names = {rule.name for rule in rules}
     if names != set(CONDITIONS):
-        raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in exporter/serve/alerting.py: "
-                         f"{sorted(names - set(CONDITIONS)) or 'none'}; conditions without an alert in the file: "
-                         f"{sorted(set(CONDITIONS) - names) or 'none'}")
+        raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in "
+                         f"exporter/serve/alerting.py: {sorted(names - set(CONDITIONS)) or 'none'}; "
+                         f"conditions without an alert in the file: {sorted(set(CONDITIONS) - names) or 'none'}")
     return rules
 
 
@@ -200,7 +204,7 @@ class AlertLoop:
     def enabled(self) -> bool:
         return bool(self._urls)
 
-    def on_poll(self, result: object) -> None:
+    def on_poll(self, result: PollResult) -> None:
         """Poller listener."""
         self.evaluate(result.readings, self._clock())
 

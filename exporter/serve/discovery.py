@@ -8,6 +8,7 @@ readings from the export.
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import threading
@@ -71,7 +72,8 @@ DNS_WORKERS = 4
 _DNS_SLOTS = threading.BoundedSemaphore(DNS_WORKERS)
 
 
-def resolve_addresses(name: str, port: int, timeout_seconds: float, resolver: Resolver = socket.getaddrinfo) -> list[str]:
+def resolve_addresses(name: str, port: int, timeout_seconds: float,
+                      resolver: Resolver = socket.getaddrinfo) -> list[str]:
     """Every distinct IP `name` resolves to (a headless Service gives one per ready pod), sorted."""
     if not _DNS_SLOTS.acquire(timeout=timeout_seconds):
         raise TimeoutError(f"DNS lookup of {name!r}: all {DNS_WORKERS} resolver workers are stuck")
@@ -185,7 +187,8 @@ class Discovery:
                  kubernetes_client_factory: Callable[[str | None, float], Any] = kubernetes_client) -> None:
         self._deployments = tuple(deployments)
         # Static targets never change: built once, not at every poll.
-        self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls] for d in self._deployments)
+        self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls]
+                             for d in self._deployments)
         self._timeout_seconds = timeout_seconds
         self._resolver = resolver
         self._client_factory = kubernetes_client_factory
@@ -199,9 +202,11 @@ class Discovery:
         for deployment, static in zip(self._deployments, self._static, strict=True):
             targets += static
             if deployment.dns is not None:
-                targets += self._guarded(deployment, "dns", lambda d=deployment: self._dns(d.name, d.dns))
+                targets += self._guarded(deployment, "dns",
+                                         functools.partial(self._dns, deployment.name, deployment.dns))
             if deployment.kubernetes is not None:
-                targets += self._guarded(deployment, "kubernetes", lambda d=deployment: self._kubernetes(d.name, d.kubernetes))
+                targets += self._guarded(deployment, "kubernetes",
+                                         functools.partial(self._kubernetes, deployment.name, deployment.kubernetes))
         unique: dict[tuple[str, str], Target] = {}
         for target in targets:
             unique.setdefault(target.key, target)

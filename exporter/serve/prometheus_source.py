@@ -105,7 +105,8 @@ def read_body(response: requests.Response, deadline: float, limit: int,
     for chunk in response.iter_content(CHUNK_BYTES):
         size += len(chunk)
         if size > limit:
-            raise QueryError(f"answer over {limit} bytes (raise targets.prometheus.max_response_bytes or narrow the selector)")
+            raise QueryError(f"answer over {limit} bytes "
+                             "(raise targets.prometheus.max_response_bytes or narrow the selector)")
         if monotonic() > deadline:
             raise QueryError("answer not complete within the timeout")
         chunks.append(chunk)
@@ -130,7 +131,8 @@ def decode_answer(status: int, body: bytes) -> list[dict[str, Any]]:
     data = payload.get("data") or {}
     if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
         raise QueryError(f"unexpected answer: resultType {data.get('resultType')!r}")
-    return data["result"]
+    result: list[dict[str, Any]] = data["result"]
+    return result
 
 
 def group_by_target(result: list[dict[str, Any]]) -> dict[ScrapeKey, ScrapedTarget]:

@@ -156,10 +156,12 @@ def builtin_scenarios() -> dict[str, Scenario]:
             "steady-chat plus two agent sessions re-sending ~100,000-token conversations, 99% from the prefix cache, "
             "for ~100-token tool calls (vLLM 0.33 page)",
             (_chats(), _cached_agents()),
-            ((0.0, "40 chat users and 2 agent sessions start; each agent turn computes only ~1,000 new prompt tokens"),),
+            ((0.0, "40 chat users and 2 agent sessions start; "
+                   "each agent turn computes only ~1,000 new prompt tokens"),),
             ScenarioSettings(vllm_version="0.33")),
         "overload": Scenario(
-            "overload", "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
+            "overload",
+            "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
             (ClosedLoopGroup("long-chat", 64, TokenCount(6000, 0.2), TokenCount(2000, 0.2), ramp_seconds=5.0),),
             ((0.0, "64 long-context users start: the cache fills and requests get preempted"),)),
     }

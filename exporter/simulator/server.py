@@ -145,14 +145,14 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/version":
             self._send_json(200, {"version": f"{engine.simulator.spec.vllm_version}-stepbudget-simulator"})
         else:
-            self._send_json(404, {"object": "error", "message": f"Not Found: {path}", "type": "NotFoundError", "code": 404})
+            self._not_found(path)
 
     # --- POST /v1/completions ------------------------------------------------------------
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         if path != "/v1/completions":
-            self._send_json(404, {"object": "error", "message": f"Not Found: {path}", "type": "NotFoundError", "code": 404})
+            self._not_found(path)
             return
         try:
             length = int(self.headers.get("Content-Length") or 0)
@@ -252,6 +252,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, message: str, kind: str) -> None:
         self._send_json(status, {"object": "error", "message": message, "type": kind, "param": None, "code": status})
+
+    def _not_found(self, path: str) -> None:
+        """vLLM's 404 body."""
+        self._send_json(404, {"object": "error", "message": f"Not Found: {path}", "type": "NotFoundError", "code": 404})
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         self._send(status, json.dumps(payload).encode(), "application/json")

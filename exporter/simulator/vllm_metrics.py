@@ -6,10 +6,11 @@ Names, HELP strings, types, label names and default bucket edges below are copie
 shared/reference/vllm_metrics/REPORT.md §a.2-a.5 (loggers.py @5b846bf6, buckets.py @139b1c3f and
 the older versions it lists); the "0.33" and "0.23" release lines from the genuine pages in
 shared/reference/vllm_metrics/genuine/ (FAMILIES.md). One page serves every data-parallel engine:
-each family carries one series per `engine`, as vLLM's single API server does. The simulator keeps its own plain-number counters (a step updates
-dozens of requests at once) and a custom collector turns them into prometheus_client families on a
-PRIVATE CollectorRegistry, so `generate_latest` renders them exactly like vLLM's own objects:
-counters get `_total` and a separate `_created` family, `le` values print as floats.
+each family carries one series per `engine`, as vLLM's single API server does. The simulator keeps
+its own plain-number counters (a step updates dozens of requests at once) and a custom collector
+turns them into prometheus_client families on a PRIVATE CollectorRegistry, so `generate_latest`
+renders them exactly like vLLM's own objects: counters get `_total` and a separate `_created`
+family, `le` values print as floats.
 """
 
 from __future__ import annotations
@@ -275,7 +276,8 @@ class HistogramValue:
         running = 0.0
         for edge, count in zip((*self.edges, float("inf")), self.counts, strict=True):
             running += count
-            out.append((floatToGoString(edge), running))
+            # prometheus_client.utils has no annotations; it renders `le` exactly as vLLM's page does.
+            out.append((floatToGoString(edge), running))  # type: ignore[no-untyped-call]  # untyped upstream
         return out
 
 
