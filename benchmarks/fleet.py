@@ -213,7 +213,8 @@ class Fleet:
                 await self._send(writer, trickle[index:index + 1])
             return False
         if mode == "huge":
-            await self._send(writer, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await self._send(writer, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                                     b"Transfer-Encoding: chunked\r\n\r\n")
             line = b"# " + b"x" * 61 + b"\n"
             chunk = line * (HUGE_CHUNK_BYTES // len(line))
             framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"

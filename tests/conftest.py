@@ -80,7 +80,7 @@ def make_page_server() -> Iterator[Callable[[], PageServer]]:
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     """A real `prometheus-alertmanager` on 127.0.0.1 (fails under CI if missing, skips otherwise)."""
-    binary = require_tool("prometheus-alertmanager") if not shutil.which("alertmanager") else shutil.which("alertmanager")
+    binary = shutil.which("alertmanager") or require_tool("prometheus-alertmanager")
     config = tmp_path / "alertmanager.yml"
     config.write_text(ALERTMANAGER_CONFIG)
     am_port = free_port()

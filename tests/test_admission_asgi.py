@@ -74,7 +74,8 @@ def gateway_app(client: AdmissionClient, forwarded: list[str], *, fail_open: boo
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/models", models, methods=["GET", "POST"])],
-                     middleware=[Middleware(AdmissionMiddleware, client=client, deployment="chat", fail_open=fail_open)])
+                     middleware=[Middleware(AdmissionMiddleware, client=client, deployment="chat",
+                                            fail_open=fail_open)])
 
 
 @pytest.fixture()

@@ -206,7 +206,8 @@ def test_a_keep_alive_connection_the_daemon_closed_is_reopened_without_asking_tw
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        with AdmissionClient(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with AdmissionClient(url, TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
             assert client.admit(1, 1, deployment="chat").id == "id-1"
             assert client.admit(1, 1, deployment="chat").id == "id-2"
         assert len(received) == 2

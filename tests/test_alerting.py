@@ -65,7 +65,8 @@ class Recorder:
 
 def loop(clock: ManualClock, recorder: Recorder, **alerting: object) -> AlertLoop:
     config = Alerting(**{"alertmanager_urls": ("http://am.invalid:9093",), **alerting})  # type: ignore[arg-type]
-    return AlertLoop(config, poll_interval_seconds=15, generator_url="http://stepbudget:9421/", clock=clock, post=recorder)
+    return AlertLoop(config, poll_interval_seconds=15, generator_url="http://stepbudget:9421/", clock=clock,
+                     post=recorder)
 
 
 def seconds(iso: str) -> float:
@@ -117,13 +118,17 @@ def test_the_loop_raises_every_alert_of_the_rules_file_as_written_there() -> Non
 
 # What the loop rendered when the rules were a Python table: the same text, construct by construct.
 RENDERED = {
-    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) has "
-                         "been 25ms, over its step budget, for 5 minutes: the tokens in flight exceed the token "
+    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 "
+                         "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 25ms, over its step budget, "
+                         "for 5 minutes: the tokens in flight exceed the token "
                          "budget.",
-    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) "
-                                            "has been 96.3% full (over 95%) for 10 minutes.",
-    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) preempted 1.234k "
-                                       "requests in the last 5 minutes, and has kept preempting for 5 minutes.",
+    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 "
+                                            "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 96.3% full "
+                                            "(over 95%) "
+                                            "for 10 minutes.",
+    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) "
+                                       "preempted 1.234k requests in the last 5 minutes, "
+                                       "and has kept preempting for 5 minutes.",
     ("StepBudgetTargetDown", 0.0): "stepbudget has failed to fetch or parse the metrics of 10.0.0.5:8000 (deployment "
                                    "chat, model Qwen/Qwen3-8B) for 5 minutes (stepbudget_target_up = 0).",
 }
@@ -192,7 +197,8 @@ def test_thresholds_match_the_rule_expressions() -> None:
     assert parse_duration_seconds(window) == PREEMPTION_WINDOW_SECONDS
     for rule in file_rules.values():
         if rule["alert"] != "StepBudgetExporterAbsent":
-            assert "max without (instance, job)" in rule["expr"], "rules aggregate job/instance away, as the daemon's labels"
+            assert "max without (instance, job)" in rule["expr"], \
+                "rules aggregate job/instance away, as the daemon's labels"
 
 
 # --- for semantics and the protocol ------------------------------------------------------------------
@@ -400,7 +406,8 @@ def test_active_view_shows_pending_then_firing_without_any_alertmanager(clock: M
     over = reading(predicted_step_seconds=0.030)  # budget 0.018
     alerts.evaluate([over], clock())
     (pending,) = alerts.active()
-    assert pending["state"] == "pending" and pending["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
+    assert pending["state"] == "pending"
+    assert pending["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
     assert seconds(pending["activeAt"]) == clock() and float(pending["value"]) == 0.030
     page_for_seconds = next(rule.for_seconds for rule in packaged_rules() if rule.name == PAGE_ALERT)
     clock.advance(page_for_seconds)

@@ -92,7 +92,8 @@ def test_a_tp_vllm_refuses_is_refused_with_vllms_reason(capsys: pytest.CaptureFi
     assert main(["calibrate", "--itl", "0.0082@1000", "--tp", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "--tp 3" in err and "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
+    assert "--tp 3" in err
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
 
 
 # --- a streaming stub of an OpenAI-compatible server --------------------------------------------

@@ -324,7 +324,8 @@ def test_service_monitor_scrapes_the_service_port_with_honor_labels(values: Path
     docs = render(values)
     monitor = one(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    service = next(s for s in of_kind(docs, "Service") if _matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
+    service = next(s for s in of_kind(docs, "Service")
+                   if _matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}

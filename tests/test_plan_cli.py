@@ -166,7 +166,8 @@ def test_ssm_hybrid_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     (["--load", "0x100"], "--load '0x100'"),
     (["--kv-cache-dtype", "fp7"], "kv cache dtype"),
 ])
-def test_bad_sizes_and_values_name_the_flag(capsys: pytest.CaptureFixture[str], flags: list[str], expected: str) -> None:
+def test_bad_sizes_and_values_name_the_flag(capsys: pytest.CaptureFixture[str], flags: list[str],
+                                            expected: str) -> None:
     assert expected in bad_input(capsys, "plan", *flags)
 
 
@@ -178,7 +179,8 @@ def test_load_in_the_wrong_form_says_the_expected_form(capsys: pytest.CaptureFix
 def test_weights_that_do_not_fit_are_flagged(capsys: pytest.CaptureFixture[str]) -> None:
     out = plan_json(capsys, "--model", "deepseek-v3")  # 671e9 x 2 bytes on one 80 GB GPU
     assert out["weights_fit"] is False and out["kv_capacity_tokens"] == 0
-    assert plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--weight-dtype", "fp8")["weights_fit"]
+    assert plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8",
+                     "--weight-dtype", "fp8")["weights_fit"]
     assert main(["plan", "--model", "deepseek-v3"]) == 0
     assert "weights do not fit" in capsys.readouterr().out
 

@@ -105,7 +105,8 @@ def run_plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def test_json_output_carries_each_class(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_plan(["--pools", "--split", "32000", "--load", "40x2000", "--load", "2x100000", "--json"], capsys)
+    code, out, _ = run_plan(["--pools", "--split", "32000", "--load", "40x2000", "--load", "2x100000", "--json"],
+                            capsys)
     assert code == 0
     document = json.loads(out)
     assert document["split_tokens"] == 32_000

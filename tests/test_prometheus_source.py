@@ -159,7 +159,8 @@ def test_config_takes_a_selector_with_or_without_braces_and_inherits_auth() -> N
 ])
 def test_config_refuses_bad_prometheus_sections(targets: dict[str, Any], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
-        config_from_mapping({"deployments": [{"name": "c", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": targets}]})
+        config_from_mapping({"deployments": [{"name": "c", "model": "qwen3-8b", "gpu": "h100-sxm",
+                                               "targets": targets}]})
 
 
 # --- the query ----------------------------------------------------------------------------------

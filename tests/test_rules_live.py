@@ -32,7 +32,8 @@ TARGETS = {
     "a": {"stepbudget_predicted_step_seconds": 0.03125, "stepbudget_tokens_in_flight": 65536},
     "b": {"stepbudget_predicted_step_seconds": 0.0078125, "stepbudget_tokens_in_flight": 32768},
 }
-COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1, "stepbudget_kv_cache_usage_ratio": 0.25,
+COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1,
+          "stepbudget_kv_cache_usage_ratio": 0.25,
           "stepbudget_measured_step_seconds": 0.015625, "stepbudget_prediction_error_ratio": 0.0}
 PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info"}
 NOT_PER_TARGET = PER_DEPLOYMENT | {"stepbudget_build_info", "stepbudget_admission_decisions_total",

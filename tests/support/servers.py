@@ -20,7 +20,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], object], timeout_seconds: float = 10.0, interval_seconds: float = 0.05) -> object:
+def wait_until(condition: Callable[[], object], timeout_seconds: float = 10.0,
+               interval_seconds: float = 0.05) -> object:
     """Poll `condition` until it returns something truthy; fail the test after the timeout.
 
     For waiting on real external processes (a server starting up), never for asserting speed.
