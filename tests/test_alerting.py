@@ -49,7 +49,7 @@ def reading(**values: object) -> Reading:
                 namespace="llm", pod="vllm-0", target_up=True, predicted_step_seconds=0.010,
                 predicted_memory_step_seconds=0.010, measured_step_seconds=0.0105, prediction_error_ratio=-0.05,
                 step_budget_seconds=0.018, kv_cache_usage_ratio=0.5, preemptions_total=0.0)
-    return Reading(**{**base, **values})  # type: ignore[arg-type]
+    return Reading(**{**base, **values})  # type: ignore[arg-type]  # fields given as object: each test overrides a few
 
 
 class Recorder:
@@ -64,7 +64,7 @@ class Recorder:
 
 
 def loop(clock: ManualClock, recorder: Recorder, **alerting: object) -> AlertLoop:
-    config = Alerting(**{"alertmanager_urls": ("http://am.invalid:9093",), **alerting})  # type: ignore[arg-type]
+    config = Alerting(**{"alertmanager_urls": ("http://am.invalid:9093",), **alerting})  # type: ignore[arg-type]  # fields given as object: each test overrides a few
     return AlertLoop(config, poll_interval_seconds=15, generator_url="http://stepbudget:9421/", clock=clock,
                      post=recorder)
 

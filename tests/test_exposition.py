@@ -105,7 +105,7 @@ def test_unusable_pages_raise_page_error_with_a_reason(page: str, reason: str) -
 
 def test_bytes_with_invalid_utf8_are_garbage_not_a_crash() -> None:
     with pytest.raises(PageError) as caught:
-        read_page(bytes(range(256)) * 4)  # type: ignore[arg-type]
+        read_page(bytes(range(256)) * 4)  # type: ignore[arg-type]  # bytes on purpose: refused as garbage
     assert caught.value.reason == "not Prometheus text"
 
 

@@ -26,7 +26,7 @@ QWEN3_8B_PARAMS = 8.19e9
 
 
 def qwen3_setup(**overrides: object) -> model.ServingSetup:
-    return build_setup(get_model_preset("qwen3-8b"), "h100-sxm", **overrides).setup  # type: ignore[arg-type]
+    return build_setup(get_model_preset("qwen3-8b"), "h100-sxm", **overrides).setup  # type: ignore[arg-type]  # overrides: any of build_setup's keywords
 
 
 # --- Qwen3-8B bf16 on an H100 SXM at 60% of 3.35 TB/s ------------------------------------------

@@ -411,7 +411,7 @@ def test_scheduler_runs_the_poll_and_stops(page_server: PageServer, make_poller:
     poller.start()
     try:
         assert done.wait(10), "the first poll did not run"
-        job = poller._scheduler.get_job("poll")  # type: ignore[attr-defined]
+        job = poller._scheduler.get_job("poll")  # type: ignore[attr-defined]  # apscheduler is untyped: _scheduler is held as object
         assert job.max_instances == 1 and job.coalesce is True and job.misfire_grace_time == 3600
         assert job.trigger.interval.total_seconds() == 3600
         assert poller.ready

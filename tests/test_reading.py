@@ -26,7 +26,7 @@ def deployment(tmp_path=None, **keys: object) -> Deployment:
 
 
 def snapshot(**values: object) -> Snapshot:
-    return Snapshot(kind="vllm", model_name="Qwen/Qwen3-8B", engine="0", **values)  # type: ignore[arg-type]
+    return Snapshot(kind="vllm", model_name="Qwen/Qwen3-8B", engine="0", **values)  # type: ignore[arg-type]  # values: any Snapshot field
 
 
 def window(mean: float | None = None, median: float | None = None, prefill: float | None = None) -> Window:

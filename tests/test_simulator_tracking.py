@@ -145,11 +145,11 @@ def test_prefill_burst_is_interference_not_memory() -> None:
     polls, deployment = _run("prefill-burst", 300.0)
     budget = deployment.step_budget_seconds
     scenario = load_scenario("prefill-burst")
-    start, stop = scenario.groups[1].start_seconds, scenario.groups[1].stop_seconds  # type: ignore[union-attr]
+    start, stop = scenario.groups[1].start_seconds, scenario.groups[1].stop_seconds  # type: ignore[union-attr]  # groups[1] is the burst, a PoissonGroup
     assert stop is not None
     memory = [p.reading.predicted_memory_step_seconds for p in polls]
     assert all(m is not None and m <= budget for m in memory)
-    assert max(memory) / min(memory) < 1.25  # type: ignore[type-var,operator]
+    assert max(memory) / min(memory) < 1.25  # type: ignore[type-var,operator]  # every poll in this window has a measurement
     for poll in polls[1:]:
         measured = poll.reading.measured_step_seconds
         assert measured is not None
@@ -164,8 +164,8 @@ def test_prefill_burst_is_interference_not_memory() -> None:
 def test_overload_preempts_and_the_daemon_exports_it() -> None:
     polls, deployment = _run("overload", 60.0)
     preemptions = [p.reading.preemptions_total for p in polls]
-    assert preemptions[0] is not None and preemptions == sorted(preemptions)  # type: ignore[type-var]
-    assert preemptions[-1] > preemptions[1] > 0  # type: ignore[operator]
+    assert preemptions[0] is not None and preemptions == sorted(preemptions)  # type: ignore[type-var]  # every reading is up: no None
+    assert preemptions[-1] > preemptions[1] > 0  # type: ignore[operator]  # every reading is up: no None
     assert max(p.reading.kv_cache_usage_ratio or 0.0 for p in polls) > 0.95
     last = polls[-1].reading
     page = generate_latest(make_registry(lambda: [last], [deployment])).decode()

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 import requests
@@ -53,12 +54,12 @@ def send_text(handler: BaseHTTPRequestHandler, body: bytes | str, status: int = 
 
 
 class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any) -> None:
         """A client hanging up early (what a size cap or a deadline does) is no error here."""
         import sys
 
         if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
-            super().handle_error(request, client_address)  # type: ignore[arg-type]
+            super().handle_error(request, client_address)
 
 
 class PageServer:
