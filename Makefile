@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 
-.PHONY: demo test venv tools promtool helm test-rules dashboards chart-sync chart-schema bench clean
+.PHONY: demo test lint venv tools promtool helm test-rules dashboards chart-sync chart-schema bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,14 @@ $(TOOLS)/helm: scripts/install-helm.sh
 
 tools: promtool helm
 
+# The type checker and the linter, from the venv (pinned in the test extra; configured in pyproject.toml).
+# Never `ruff format`: the project is not formatted by it, and a whole-tree rewrite breaks every merge.
+lint: $(STAMP)
+	$(BIN)/mypy
+	$(BIN)/ruff check .
+
 # The promtool lint and rule unit tests run inside pytest (tests/test_rules.py), with mutation tests.
-test: $(STAMP) tools
+test: $(STAMP) tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The rule checks alone, for a quick loop while editing exporter/serve/rules/ or rules/.
@@ -72,4 +78,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_latency.py
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

@@ -24,9 +24,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import structlog
 
@@ -34,16 +34,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from exporter.admission import wiring as admission_module
-from exporter.serve import daemon as daemon_module  # noqa: E402
 from exporter.admission.api import AdmissionApi
 from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy
-from exporter.admission.client import AdmissionClient  # noqa: E402
-from exporter.serve.config import config_from_mapping  # noqa: E402
-from exporter.admission.integrations.simulated_gateway import (  # noqa: E402
-    MODES, scenario_groups, format_run, run_agents_join,
+from exporter.admission.client import AdmissionClient
+from exporter.admission.integrations.simulated_gateway import (
+    MODES,
+    format_run,
+    run_agents_join,
+    scenario_groups,
 )
-from exporter.simulator import load_scenario  # noqa: E402
-from exporter.simulator import ServerSpec, start_server  # noqa: E402
+from exporter.serve import daemon as daemon_module
+from exporter.serve.config import config_from_mapping
+from exporter.simulator import (
+    ServerSpec,
+    load_scenario,
+    start_server,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = 16
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     timings = [bench_book(args.decisions), bench_handler(args.decisions), bench_http(args.http_decisions)]
     runs = {mode: run_agents_join(mode) for mode in MODES}
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs, {platform.machine()}"
+    machine = (f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPUs, "
+               f"{platform.machine()}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "admission.json").write_text(json.dumps({
         "machine": machine, "timings": [asdict(t) for t in timings],
@@ -154,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def workload() -> str:
     chats, agents = scenario_groups(load_scenario("agents-join"))
-    return (f"`agents-join` on Qwen3-8B / H100 SXM: {chats.users} chat users (~{chats.prompt_tokens.mean:,}-token prompts, "
-            f"~{chats.output_tokens.mean:,}-token answers); {agents.count} agent sessions of ~{agents.prompt_tokens.mean:,} "
-            f"prompt tokens join at {agents.at_seconds:g} s.")
+    return (f"`agents-join` on Qwen3-8B / H100 SXM: {chats.users} chat users "
+            f"(~{chats.prompt_tokens.mean:,}-token prompts, ~{chats.output_tokens.mean:,}-token answers); "
+                f"{agents.count} agent sessions of ~{agents.prompt_tokens.mean:,} prompt tokens "
+                f"join at {agents.at_seconds:g} s.")
 
 
 def render(machine: str, timings: list[Timing], runs: dict) -> str:
@@ -189,10 +197,12 @@ def render(machine: str, timings: list[Timing], runs: dict) -> str:
         "|---|---:|---:|---:|---:|---|---|",
     ]
     for mode, run in runs.items():
-        decisions = ", ".join(f"{d} {k} {v}" for (d, k), v in sorted(run.decisions.items()) if v) or "none (no admission)"
+        decisions = (", ".join(f"{d} {k} {v}" for (d, k), v in sorted(run.decisions.items()) if v)
+                     or "none (no admission)")
         where = ", ".join(sorted(set(run.agent_targets))) or "not sent (waiting)"
-        lines.append(f"| {mode} | {run.chat_tokens_per_second_before:.1f} tok/s | {run.chat_tokens_per_second_during:.1f} "
-                     f"tok/s | {run.chat_requests_during} | {run.agent_tokens_per_second_during:.1f} tok/s | {where} | "
+        lines.append(f"| {mode} | {run.chat_tokens_per_second_before:.1f} tok/s | "
+                         f"{run.chat_tokens_per_second_during:.1f} tok/s | {run.chat_requests_during} | "
+                         f"{run.agent_tokens_per_second_during:.1f} tok/s | {where} | "
                      f"{decisions} |")
     lines += ["", *[f"- {format_run(run)}" for run in runs.values()], ""]
     return "\n".join(lines)

@@ -19,8 +19,8 @@ import random
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 MODES = ("ok", "refuse", "500", "garbage", "slow", "slow_headers", "truncated", "huge")
 SLOW_BYTE_SECONDS = 0.25  # slow mode trickles one byte this often (faster than any read timeout)
@@ -125,7 +125,7 @@ class Fleet:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=120)  # type: ignore[arg-type]
 
     async def _start(self) -> int:
-        for attempt in range(20):
+        for _attempt in range(20):
             probe = socket.socket()
             probe.bind((address_of(0), 0))
             port = probe.getsockname()[1]
@@ -213,7 +213,8 @@ class Fleet:
                 await self._send(writer, trickle[index:index + 1])
             return False
         if mode == "huge":
-            await self._send(writer, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await self._send(writer, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                                     b"Transfer-Encoding: chunked\r\n\r\n")
             line = b"# " + b"x" * 61 + b"\n"
             chunk = line * (HUGE_CHUNK_BYTES // len(line))
             framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"

@@ -25,7 +25,8 @@ LIMIT_SECONDS = 0.5
 
 CASES: dict[str, list[str]] = {
     "defaults (qwen3-8b, h100-sxm)": [],
-    "loads + contexts, --json": ["--load", "40x2000", "--load", "2x100000", "--context", "2000", "--context", "8000", "--json"],
+    "loads + contexts, --json": ["--load", "40x2000", "--load", "2x100000",
+                                 "--context", "2000", "--context", "8000", "--json"],
     "MoE, numeric budget": ["--model", "qwen3-30b-a3b", "--load", "40x2000", "--json"],
     "sliding window, numeric budget": ["--model", "gemma-3-27b", "--gpu", "h200", "--context", "4000"],
     "HF config.json": ["--model", str(REPO / "tests" / "data" / "hf_configs" / "DeepSeek-V3" / "config.json"),
@@ -73,8 +74,8 @@ def write(results: list[CaseResult]) -> None:
         "| case | runs | median s | max s | under limit |",
         "|---|---:|---:|---:|---|",
     ]
-    lines += [f"| {r.case} | {r.runs} | {r.median_seconds:.3f} | {r.max_seconds:.3f} | {'yes' if r.under_limit else 'NO'} |"
-              for r in results]
+    lines += [f"| {r.case} | {r.runs} | {r.median_seconds:.3f} | {r.max_seconds:.3f} | "
+              f"{'yes' if r.under_limit else 'NO'} |" for r in results]
     (RESULTS / "plan_latency.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

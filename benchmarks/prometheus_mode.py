@@ -34,7 +34,8 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.scale import free_port, machine  # noqa: E402
+from benchmarks.scale import free_port, machine
+
 RESULTS = REPO / "benchmarks" / "results"
 SCRAPE_SECONDS = 15.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -157,10 +158,9 @@ def measure(engines: int, cycles: int, prometheus: str, promtool: str) -> Row:
     from benchmarks.fleet import PageBook
     from exporter.serve.config import config_from_mapping
     from exporter.serve.discovery import Discovery
-    from exporter.serve.engines import read_page
+    from exporter.serve.engines import read_page, wanted_names
     from exporter.serve.poller import Poller
     from exporter.serve.prometheus_source import series_query
-    from exporter.serve.engines import wanted_names
 
     directory = Path(tempfile.mkdtemp(prefix="stepbudget-prommode-"))
     process = None
@@ -191,7 +191,8 @@ def measure(engines: int, cycles: int, prometheus: str, promtool: str) -> Row:
         expected = read_page(PageBook().page(1).decode(), "vllm").snapshots[0]
         expected_tokens = expected.kv_cache_usage_ratio * expected.kv_cache_capacity_tokens
         up = [r for r in readings if r.target_up]
-        agree = len(up) == engines and all(abs(r.tokens_in_flight - expected_tokens) < 1e-6 * expected_tokens for r in up)
+        agree = len(up) == engines and all(abs(r.tokens_in_flight - expected_tokens) < 1e-6 * expected_tokens
+                                           for r in up)
         answer_bytes, answered = answer_size(base, series_query(wanted_names("vllm"), 'job="vllm"'))
         prom_rss = process_rss_mib(process.pid)
         poller.stop()
@@ -213,7 +214,8 @@ def _median(values: list[float]) -> float:
 
 def table(rows: list[Row]) -> str:
     lines = ["| engines | series/engine | answer MB (series) | poll wall s | daemon CPU s (ms/engine) | "
-             "Prometheus CPU s / query | engines up, tokens agree | daemon peak RSS MiB | Prometheus RSS MiB | backfill s |",
+             "Prometheus CPU s / query | engines up, tokens agree | daemon peak RSS MiB | Prometheus RSS MiB | "
+             "backfill s |",
              "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.engines:,} | {r.series_per_engine} | {r.answer_bytes / 1e6:.1f} ({r.answered_series:,}) | "

@@ -29,8 +29,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.fleet import address_of  # noqa: E402
-from benchmarks.scale import start_fleet, stop  # noqa: E402
+from benchmarks.fleet import address_of
+from benchmarks.scale import start_fleet, stop
 
 RESULTS = REPO / "benchmarks" / "results"
 INTERVAL_SECONDS = 15.0
@@ -43,7 +43,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _status_kib(pid: int, key: str) -> int:
-    line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith(key + ":"))
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    line = next(text for text in lines if text.startswith(key + ":"))
     return int(line.split()[1])
 
 
@@ -71,7 +72,7 @@ def measure(count: int, cycles: int) -> dict:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:
-                    if f'stepbudget_target_up{{' in requests.get(url, timeout=5).text:
+                    if 'stepbudget_target_up{' in requests.get(url, timeout=5).text:
                         break
                 except requests.RequestException:
                     pass

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as dash
@@ -219,8 +219,10 @@ def overview() -> dash.Dashboard:
                 2, "Step time per budget", "percentunit",
                 "Predicted and measured step time as a share of the step budget; above 100% every stream "
                 "on the target is slower than its speed target.",
-                [Query(f'target:stepbudget_predicted_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} predicted"),
-                 Query(f'target:stepbudget_measured_step_per_budget:ratio{{{TARGET_SELECTOR}}}', "{{target}} measured")],
+                [Query(f"target:stepbudget_predicted_step_per_budget:ratio{{{TARGET_SELECTOR}}}",
+                       "{{target}} predicted"),
+                 Query(f"target:stepbudget_measured_step_per_budget:ratio{{{TARGET_SELECTOR}}}",
+                       "{{target}} measured")],
                 limit=1, min_value=0),
             timeseries(
                 3, "Predicted memory vs compute step", "s",
@@ -259,7 +261,8 @@ def overview() -> dash.Dashboard:
                 "Every decoding request gets one token per step: predicted and measured tokens/s per user, "
                 "and the speed at the step budget (target tokens/s divided by headroom, dashed red).",
                 [Query(per_target("stepbudget_predicted_user_tokens_per_second"), "{{target}} predicted"),
-                 Query(f'target:stepbudget_measured_user_tokens_per_second:mean{{{TARGET_SELECTOR}}}', "{{target}} measured"),
+                 Query(f"target:stepbudget_measured_user_tokens_per_second:mean{{{TARGET_SELECTOR}}}",
+                       "{{target}} measured"),
                  Query(f"1 / {per_target('stepbudget_step_budget_seconds')}", "{{target}} speed at budget")],
                 budget_legend=".* speed at budget$", min_value=0),
             timeseries(
@@ -310,8 +313,10 @@ def pools() -> dash.Dashboard:
                 1, "Pool tokens in flight vs token budget and KV capacity", "short",
                 "Sum over the pool's replicas. Adding a replica adds its token budget.",
                 [Query(f"deployment_model_name:stepbudget_tokens_in_flight:sum{{{sel}}}", "{{deployment}} in flight"),
-                 Query(f"deployment_model_name:stepbudget_token_budget_tokens:sum{{{sel}}}", "{{deployment}} token budget"),
-                 Query(f"deployment_model_name:stepbudget_kv_cache_capacity_tokens:sum{{{sel}}}", "{{deployment}} KV capacity")],
+                 Query(f"deployment_model_name:stepbudget_token_budget_tokens:sum{{{sel}}}",
+                       "{{deployment}} token budget"),
+                 Query(f"deployment_model_name:stepbudget_kv_cache_capacity_tokens:sum{{{sel}}}",
+                       "{{deployment}} KV capacity")],
                 budget_legend=".* token budget$", min_value=0),
             timeseries(
                 2, "Pool token budget utilization", "percentunit",
@@ -326,8 +331,10 @@ def pools() -> dash.Dashboard:
             timeseries(
                 4, "Worst step time vs budget", "s",
                 "The slowest replica's predicted and measured step time against the tightest step budget.",
-                [Query(f"deployment_model_name:stepbudget_predicted_step_seconds:max{{{sel}}}", "{{deployment}} predicted (max)"),
-                 Query(f"deployment_model_name:stepbudget_measured_step_seconds:max{{{sel}}}", "{{deployment}} measured (max)"),
+                [Query(f"deployment_model_name:stepbudget_predicted_step_seconds:max{{{sel}}}",
+                       "{{deployment}} predicted (max)"),
+                 Query(f"deployment_model_name:stepbudget_measured_step_seconds:max{{{sel}}}",
+                       "{{deployment}} measured (max)"),
                  Query(f"deployment_model_name:stepbudget_step_budget_seconds:min{{{sel}}}", "{{deployment}} budget")],
                 budget_legend=".* budget$", min_value=0),
         ]),
@@ -335,7 +342,8 @@ def pools() -> dash.Dashboard:
             timeseries(
                 5, "Targets over budget", "none",
                 "Replicas whose predicted step is over budget, replicas reachable, and all replicas.",
-                [Query(f"deployment_model_name:stepbudget_targets_over_budget:sum{{{sel}}}", "{{deployment}} over budget"),
+                [Query(f"deployment_model_name:stepbudget_targets_over_budget:sum{{{sel}}}",
+                       "{{deployment}} over budget"),
                  Query(f"deployment_model_name:stepbudget_targets_up:sum{{{sel}}}", "{{deployment}} up"),
                  Query(f"deployment_model_name:stepbudget_targets:count{{{sel}}}", "{{deployment}} total")],
                 min_value=0),
@@ -344,7 +352,7 @@ def pools() -> dash.Dashboard:
                 "Requests preempted per second over the pool (5m rate).",
                 [Query(f"deployment_model_name:stepbudget_preemptions:rate5m{{{sel}}}", "{{deployment}}")],
                 min_value=0),
-            
+
                 Stat().id(7).title("Pool token budget utilization now").unit("percentunit").datasource(DATASOURCE)
                 .description("Latest pool utilization per deployment and model; red at 100%.")
                 .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",

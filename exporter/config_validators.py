@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from exporter.errors import InputError
 from exporter.suggest import close_names

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import IO, Callable
+from collections.abc import Callable
+from typing import IO
 
 import structlog
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from exporter.errors import InputError
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import requests
@@ -17,8 +18,8 @@ import requests
 from tests.support.alertmanager import ALERTMANAGER_CONFIG, Alertmanager
 from tests.support.clocks import ManualClock, SteppingClock
 from tests.support.pollers import MakePoller
-from tests.support.servers import PageServer, free_port, wait_until
 from tests.support.processes import stop_process
+from tests.support.servers import PageServer, free_port, wait_until
 from tests.support.tools import require_tool
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def make_poller() -> Iterator[MakePoller]:
 
     started: list[tuple[Poller, HttpFetcher]] = []
 
-    def make(config: "Config", clock: Callable[[], float], step: float = 0.125, **kwargs: object) -> Poller:
+    def make(config: Config, clock: Callable[[], float], step: float = 0.125, **kwargs: object) -> Poller:
         fetcher = HttpFetcher(config.timeout_seconds, config.max_response_bytes)
         poller = Poller(config, Discovery(config.deployments, timeout_seconds=1.0), kwargs.pop("fetch", fetcher),
                         clock=clock, monotonic=SteppingClock(step), **kwargs)
@@ -79,7 +80,7 @@ def make_page_server() -> Iterator[Callable[[], PageServer]]:
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     """A real `prometheus-alertmanager` on 127.0.0.1 (fails under CI if missing, skips otherwise)."""
-    binary = require_tool("prometheus-alertmanager") if not shutil.which("alertmanager") else shutil.which("alertmanager")
+    binary = shutil.which("alertmanager") or require_tool("prometheus-alertmanager")
     config = tmp_path / "alertmanager.yml"
     config.write_text(ALERTMANAGER_CONFIG)
     am_port = free_port()

@@ -210,7 +210,7 @@ def test_pools_route_by_context_and_redirect_long_requests_from_the_short_pool()
 def test_bad_questions_are_input_errors_not_decisions() -> None:
     clock = ManualClock()
     book = make_book(clock)
-    with pytest.raises(InputError, match="unknown deployment 'chta'.*did you mean: chat"):
+    with pytest.raises(InputError, match=r"unknown deployment 'chta'.*did you mean: chat"):
         ask(book, 10, 10, deployment="chta")
     with pytest.raises(InputError, match="no pools are configured"):
         ask(book, 10, 10)

@@ -39,7 +39,7 @@ class SignallingClient(AdmissionClient):
     """Sets an event at every release, so the test waits on it instead of sleeping."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # AdmissionClient's own arguments, passed through
         self.released = threading.Event()
 
     def release(self, admission_id: str) -> bool:
@@ -74,7 +74,8 @@ def gateway_app(client: AdmissionClient, forwarded: list[str], *, fail_open: boo
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/models", models, methods=["GET", "POST"])],
-                     middleware=[Middleware(AdmissionMiddleware, client=client, deployment="chat", fail_open=fail_open)])
+                     middleware=[Middleware(AdmissionMiddleware, client=client, deployment="chat",
+                                            fail_open=fail_open)])
 
 
 @pytest.fixture()

@@ -189,7 +189,7 @@ def test_a_keep_alive_connection_the_daemon_closed_is_reopened_without_asking_tw
     class ClosingHandler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:  # http.server's naming
             received.append(self.rfile.read(int(self.headers["Content-Length"])))
             body = json.dumps({"decision": "admitted", "deployment": "chat", "pool": None, "tokens": 2,
                                "tokens_left": 0, "reason": "test", "id": f"id-{len(received)}"}).encode()
@@ -199,14 +199,15 @@ def test_a_keep_alive_connection_the_daemon_closed_is_reopened_without_asking_tw
             self.wfile.write(body)
             self.close_connection = True  # closed without a `Connection: close` header
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), ClosingHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        with AdmissionClient(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with AdmissionClient(url, TOKEN, timeout_seconds=TIMEOUT_SECONDS) as client:
             assert client.admit(1, 1, deployment="chat").id == "id-1"
             assert client.admit(1, 1, deployment="chat").id == "id-2"
         assert len(received) == 2

@@ -128,7 +128,7 @@ def test_threads_admitting_and_releasing_never_overbook_and_leave_nothing_behind
     def work(index: int) -> None:
         try:
             run_rounds(index)
-        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+        except BaseException as error:  # reported by the main thread
             errors.append(error)
 
     def run_rounds(index: int) -> None:
@@ -139,7 +139,8 @@ def test_threads_admitting_and_releasing_never_overbook_and_leave_nothing_behind
             if held and chooser.random() < 0.45:
                 assert book.release(held.pop(chooser.randrange(len(held))).id) is not None
                 continue
-            decision = book.admit(AdmissionRequest(chooser.randint(100, 3000), chooser.randint(1, 2000), deployment="chat"))
+            decision = book.admit(AdmissionRequest(chooser.randint(100, 3000), chooser.randint(1, 2000),
+                                                   deployment="chat"))
             admits[index] += 1
             if decision.admission is not None:
                 held.append(decision.admission)

@@ -37,7 +37,7 @@ def predicted_slowdown_ratio() -> float:
     chat_load = [model.RequestGroup(chats.users, chat_context)]
     alone = model.predict_step(setup, chat_load).user_tokens_per_second
     with_agents = model.predict_step(
-        setup, chat_load + [model.RequestGroup(agents.count, agents.prompt_tokens.mean)]).user_tokens_per_second
+        setup, [*chat_load, model.RequestGroup(agents.count, agents.prompt_tokens.mean)]).user_tokens_per_second
     return with_agents / alone
 
 

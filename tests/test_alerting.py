@@ -6,29 +6,39 @@ clock; the Alertmanager API v2 protocol (resend cadence, endsAt); and a real Ale
 
 from __future__ import annotations
 
+import itertools
 import re
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+import requests
 import structlog
 import yaml
 from structlog.testing import capture_logs
 
+from exporter.errors import InputError
 from exporter.serve.alert_rules import TemplateError, humanize_duration, render
 from exporter.serve.alerting import (
-    CONDITIONS, KV_CACHE_NEARLY_FULL_RATIO, DRIFT_THRESHOLD_RATIO, PAGE_ALERT, PREEMPTION_WINDOW_SECONDS,
-    PROMETHEUS_ONLY, AlertLoop, load_rules, packaged_rules, post_alerts,
+    CONDITIONS,
+    DRIFT_THRESHOLD_RATIO,
+    KV_CACHE_NEARLY_FULL_RATIO,
+    PAGE_ALERT,
+    PREEMPTION_WINDOW_SECONDS,
+    PROMETHEUS_ONLY,
+    AlertLoop,
+    load_rules,
+    packaged_rules,
+    post_alerts,
 )
 from exporter.serve.config import Alerting
-from exporter.errors import InputError
 from exporter.serve.reading import Reading
 from exporter.units import parse_duration_seconds
 from tests.support.alertmanager import Alertmanager
 from tests.support.clocks import ManualClock
 from tests.support.monitoring import ALERTS_FILE as RULES_FILE
 from tests.support.servers import wait_until
+
 SERIES = {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0",
           "namespace": "llm", "pod": "vllm-0"}
 
@@ -39,7 +49,7 @@ def reading(**values: object) -> Reading:
                 namespace="llm", pod="vllm-0", target_up=True, predicted_step_seconds=0.010,
                 predicted_memory_step_seconds=0.010, measured_step_seconds=0.0105, prediction_error_ratio=-0.05,
                 step_budget_seconds=0.018, kv_cache_usage_ratio=0.5, preemptions_total=0.0)
-    return Reading(**{**base, **values})  # type: ignore[arg-type]
+    return Reading(**{**base, **values})  # type: ignore[arg-type]  # fields given as object: each test overrides a few
 
 
 class Recorder:
@@ -54,8 +64,9 @@ class Recorder:
 
 
 def loop(clock: ManualClock, recorder: Recorder, **alerting: object) -> AlertLoop:
-    config = Alerting(**{"alertmanager_urls": ("http://am.invalid:9093",), **alerting})  # type: ignore[arg-type]
-    return AlertLoop(config, poll_interval_seconds=15, generator_url="http://stepbudget:9421/", clock=clock, post=recorder)
+    config = Alerting(**{"alertmanager_urls": ("http://am.invalid:9093",), **alerting})  # type: ignore[arg-type]  # fields given as object: each test overrides a few
+    return AlertLoop(config, poll_interval_seconds=15, generator_url="http://stepbudget:9421/", clock=clock,
+                     post=recorder)
 
 
 def seconds(iso: str) -> float:
@@ -107,13 +118,17 @@ def test_the_loop_raises_every_alert_of_the_rules_file_as_written_there() -> Non
 
 # What the loop rendered when the rules were a Python table: the same text, construct by construct.
 RENDERED = {
-    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) has "
-                         "been 25ms, over its step budget, for 5 minutes: the tokens in flight exceed the token "
+    (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 "
+                         "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 25ms, over its step budget, "
+                         "for 5 minutes: the tokens in flight exceed the token "
                          "budget.",
-    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) "
-                                            "has been 96.3% full (over 95%) for 10 minutes.",
-    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) preempted 1.234k "
-                                       "requests in the last 5 minutes, and has kept preempting for 5 minutes.",
+    ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 "
+                                            "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 96.3% full "
+                                            "(over 95%) "
+                                            "for 10 minutes.",
+    ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) "
+                                       "preempted 1.234k requests in the last 5 minutes, "
+                                       "and has kept preempting for 5 minutes.",
     ("StepBudgetTargetDown", 0.0): "stepbudget has failed to fetch or parse the metrics of 10.0.0.5:8000 (deployment "
                                    "chat, model Qwen/Qwen3-8B) for 5 minutes (stepbudget_target_up = 0).",
 }
@@ -182,7 +197,8 @@ def test_thresholds_match_the_rule_expressions() -> None:
     assert parse_duration_seconds(window) == PREEMPTION_WINDOW_SECONDS
     for rule in file_rules.values():
         if rule["alert"] != "StepBudgetExporterAbsent":
-            assert "max without (instance, job)" in rule["expr"], "rules aggregate job/instance away, as the daemon's labels"
+            assert "max without (instance, job)" in rule["expr"], \
+                "rules aggregate job/instance away, as the daemon's labels"
 
 
 # --- for semantics and the protocol ------------------------------------------------------------------
@@ -217,7 +233,7 @@ def test_firing_alert_is_reposted_at_most_every_60s_and_resolved_with_ends_at_no
         clock.advance(15)
         if alerts.evaluate([over], clock.now):
             sent.append(clock.now)
-    assert [b - a for a, b in zip(sent, sent[1:])] == [60.0, 60.0, 60.0]
+    assert [b - a for a, b in itertools.pairwise(sent)] == [60.0, 60.0, 60.0]
     clock.advance(15)
     [resolved] = alerts.evaluate([reading()], clock.now)
     assert resolved["labels"]["alertname"] == PAGE_ALERT
@@ -269,7 +285,7 @@ def test_alertmanager_down_is_logged_never_fatal(clock: ManualClock) -> None:
 def test_real_post_to_an_unreachable_alertmanager_times_out_cleanly() -> None:
     from tests.support.servers import free_port
 
-    with pytest.raises(Exception):
+    with pytest.raises(requests.ConnectionError):
         post_alerts(f"http://127.0.0.1:{free_port()}", [], 1.0)
 
 
@@ -390,7 +406,8 @@ def test_active_view_shows_pending_then_firing_without_any_alertmanager(clock: M
     over = reading(predicted_step_seconds=0.030)  # budget 0.018
     alerts.evaluate([over], clock())
     (pending,) = alerts.active()
-    assert pending["state"] == "pending" and pending["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
+    assert pending["state"] == "pending"
+    assert pending["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
     assert seconds(pending["activeAt"]) == clock() and float(pending["value"]) == 0.030
     page_for_seconds = next(rule.for_seconds for rule in packaged_rules() if rule.name == PAGE_ALERT)
     clock.advance(page_for_seconds)

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
 
 import pytest
 
 from exporter.capacity import calibrate
-from exporter.cli import main
 from exporter.capacity.deployment import build_setup
 from exporter.capacity.presets import get_model_preset
+from exporter.cli import main
 
 QWEN3_KV = 2 * 36 * 8 * 128 * 2
 QWEN3_WEIGHTS = 8.19e9 * 2
@@ -52,7 +52,7 @@ def test_two_offline_points_fit_bandwidth_and_overhead(capsys: pytest.CaptureFix
     assert "per-step overhead    0.400 ms" in text
     own = [qwen3_read_bytes(c) / gap for c, gap in gaps.items()]
     assert f"spread {max(own) / min(own) - 1:.1%}, within the 15% tolerance" in text
-    assert main(argv + ["--json"]) == 0
+    assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(bandwidth)
     assert out["step_overhead_seconds"] == pytest.approx(overhead)
@@ -92,7 +92,8 @@ def test_a_tp_vllm_refuses_is_refused_with_vllms_reason(capsys: pytest.CaptureFi
     assert main(["calibrate", "--itl", "0.0082@1000", "--tp", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "--tp 3" in err and "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
+    assert "--tp 3" in err
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in err
 
 
 # --- a streaming stub of an OpenAI-compatible server --------------------------------------------

@@ -16,11 +16,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__
+from exporter.capacity.presets import get_gpu, get_model_preset
 from exporter.serve.collector import PER_TARGET, make_registry
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.discovery import Discovery
 from exporter.serve.poller import Poller
-from exporter.capacity.presets import get_gpu, get_model_preset
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller
@@ -52,7 +52,8 @@ def only(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> f
     return samples[name][0][1]
 
 
-def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: ManualClock,
+                                               make_poller: MakePoller) -> None:
     config = make_config([page_server.url], effective_bandwidth=2e12, target_tokens_per_second=50, headroom=0.9)
     poller = make_poller(config, clock)
     first = VllmState(running=6, waiting=0, kv_usage_ratio=0.1, preemptions=3, prompt_tokens=1000, engine_steps=500,
@@ -112,7 +113,8 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     assert only(samples, "stepbudget_predicted_step_seconds") == pytest.approx(predicted)
     assert only(samples, "stepbudget_measured_step_seconds") == pytest.approx(measured_mean)
     assert only(samples, "stepbudget_measured_step_median_seconds") == pytest.approx(measured_median)
-    assert only(samples, "stepbudget_prediction_error_ratio") == pytest.approx((predicted - measured_mean) / measured_mean)
+    expected_error = (predicted - measured_mean) / measured_mean
+    assert only(samples, "stepbudget_prediction_error_ratio") == pytest.approx(expected_error)
     assert only(samples, "stepbudget_predicted_user_tokens_per_second") == pytest.approx(1 / predicted)
     assert only(samples, "stepbudget_step_budget_seconds") == pytest.approx(step_budget)
     assert only(samples, "stepbudget_token_budget_tokens") == pytest.approx(token_budget)
@@ -136,7 +138,8 @@ def test_the_reading_knows_every_exported_value() -> None:
     assert [spec.name.removeprefix("stepbudget_") for spec in PER_TARGET][1:] == list(VALUE_FIELDS)
 
 
-def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: PageServer, clock: ManualClock,
+                                                                make_poller: MakePoller) -> None:
     """One poll gives no window: measured, error and prefill are left out, not exported as 0."""
     config = make_config([page_server.url])
     poller = make_poller(config, clock)
@@ -158,7 +161,8 @@ def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: Pag
     assert bw_labels["source"] == "default" and bw_value == pytest.approx(0.6 * 3.35e12)
 
 
-def test_two_engines_on_one_page_are_two_readings(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+def test_two_engines_on_one_page_are_two_readings(page_server: PageServer, clock: ManualClock,
+                                                  make_poller: MakePoller) -> None:
     config = make_config([page_server.url])
     poller = make_poller(config, clock)
     page_server.serve_text(vllm_page(VllmState(engine="0", running=1, kv_usage_ratio=0.25),
@@ -168,7 +172,8 @@ def test_two_engines_on_one_page_are_two_readings(page_server: PageServer, clock
     assert tokens == {"0": pytest.approx(0.25 * 65536), "1": pytest.approx(0.5 * 65536)}
 
 
-def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: ManualClock, make_poller: MakePoller) -> None:
+def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: ManualClock,
+                                                     make_poller: MakePoller) -> None:
     """Fresh families per scrape: a model renamed on the server or a target no longer discovered
     leaves no series behind."""
     first, second = make_page_server(), make_page_server()
@@ -177,7 +182,8 @@ def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: Ma
     first.serve_text(vllm_page(VllmState(model_name="old-model", running=1, kv_usage_ratio=0.1)))
     second.serve_text(vllm_page(VllmState(running=1, kv_usage_ratio=0.1)))
     poller.poll_once()
-    assert {labels["model_name"] for labels, _ in scrape(config, poller)["stepbudget_target_up"]} == {"old-model", "Qwen/Qwen3-8B"}
+    models = {labels["model_name"] for labels, _ in scrape(config, poller)["stepbudget_target_up"]}
+    assert models == {"old-model", "Qwen/Qwen3-8B"}
     first.serve_text(vllm_page(VllmState(model_name="new-model", running=1, kv_usage_ratio=0.1)))
     poller._discovery = Discovery(make_config([first.url]).deployments, timeout_seconds=1.0)  # now finds one target
     poller.poll_once()
@@ -193,7 +199,8 @@ def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: Ma
     ("vllm/vllm_v1_RECONSTRUCTED_multiprocess.txt", "vllm"),
     ("vllm/vllm_metrics_sample_v1_0.8era_production-stack_issue318_partial.txt", "vllm"),
 ])
-def test_each_engine_kind_flows_through(page_server: PageServer, clock: ManualClock, capture: str, kind: str, make_poller: MakePoller) -> None:
+def test_each_engine_kind_flows_through(page_server: PageServer, clock: ManualClock, capture: str, kind: str,
+                                        make_poller: MakePoller) -> None:
     """A real capture of each engine becomes up readings, the engine kind detected, and every
     exported value finite (nothing invalid slips out as a number)."""
     from exporter.serve.engines import read_page
@@ -211,7 +218,8 @@ def test_each_engine_kind_flows_through(page_server: PageServer, clock: ManualCl
     for snapshot in expected.snapshots:
         if snapshot.tokens_in_flight is not None:
             direct = [v for labels, v in samples["stepbudget_tokens_in_flight"]
-                      if labels.get("model_name", "") == snapshot.model_name and labels.get("engine", "") == snapshot.engine]
+                                if labels.get("model_name", "") == snapshot.model_name
+                                and labels.get("engine", "") == snapshot.engine]
             assert direct == [snapshot.tokens_in_flight]
     for name, rows in samples.items():
         assert all(math.isfinite(value) for _, value in rows), name

@@ -15,11 +15,18 @@ from pathlib import Path
 import pytest
 
 from exporter import cli
-from exporter.serve.config import (
-    DEFAULT_MAX_RESPONSE_BYTES, ConfigError, Key, Section, config_from_mapping, daemon_sections, load_config,
-    read_document, top_level_keys,
-)
 from exporter.config_validators import string
+from exporter.serve.config import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    ConfigError,
+    Key,
+    Section,
+    config_from_mapping,
+    daemon_sections,
+    load_config,
+    read_document,
+    top_level_keys,
+)
 from exporter.serve.daemon import build_parser, config_from_args
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
@@ -49,7 +56,8 @@ def error_of(tmp_path: Path, text: str) -> str:
 
 def test_defaults(tmp_path: Path) -> None:
     config = load_config(str(write(tmp_path, MINIMAL)))
-    assert (config.listen, config.poll_interval_seconds, config.timeout_seconds, config.stale_after_seconds) == (":9421", 15, 5, 60)
+    assert (config.listen, config.poll_interval_seconds, config.timeout_seconds,
+            config.stale_after_seconds) == (":9421", 15, 5, 60)
     assert config.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES and config.log_format == "auto"
     [deployment] = config.deployments
     assert (deployment.target_tokens_per_second, deployment.headroom) == (50, 0.9)
@@ -93,7 +101,8 @@ def test_bad_url_names_its_path_and_line(tmp_path: Path) -> None:
 def test_unknown_key_suggests_the_close_name(tmp_path: Path) -> None:
     message = error_of(tmp_path, "poll_intervall: 10s\n" + textwrap.dedent(MINIMAL))
     assert "stepbudget.yaml:1: poll_intervall: unknown key (did you mean: poll_interval?)" in message
-    nested = error_of(tmp_path, MINIMAL.replace("        gpu: h100-sxm\n", "        gpu: h100-sxm\n        tensor_paralel: 2\n"))
+    nested = error_of(tmp_path, MINIMAL.replace("        gpu: h100-sxm\n",
+                                                 "        gpu: h100-sxm\n        tensor_paralel: 2\n"))
     assert "deployments[0].tensor_paralel" in nested and "tensor_parallel" in nested and ":5:" in nested
 
 
@@ -167,14 +176,18 @@ def test_calibration_and_bandwidth_sources(tmp_path: Path) -> None:
     config = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {calibration}\n")))
     resolved = config.deployments[0].resolved
     assert resolved.bandwidth_source == "calibrated"
-    assert resolved.setup.effective_bandwidth_bytes_per_second == 2.4e12 and resolved.setup.step_overhead_seconds == 0.003
-    configured = load_config(str(write(tmp_path, MINIMAL + "        effective_bandwidth: 2TB\n        step_overhead: 2ms\n")))
+    assert resolved.setup.effective_bandwidth_bytes_per_second == 2.4e12
+    assert resolved.setup.step_overhead_seconds == 0.003
+    configured = load_config(str(write(tmp_path,
+                                       MINIMAL + "        effective_bandwidth: 2TB\n        step_overhead: 2ms\n")))
     resolved = configured.deployments[0].resolved
     assert (resolved.bandwidth_source, resolved.setup.effective_bandwidth_bytes_per_second) == ("configured", 2e12)
     assert resolved.setup.step_overhead_seconds == pytest.approx(0.002)
-    assert "not both" in error_of(tmp_path, MINIMAL + f"        calibration: {calibration}\n        effective_bandwidth: 2e12\n")
+    both = MINIMAL + f"        calibration: {calibration}\n        effective_bandwidth: 2e12\n"
+    assert "not both" in error_of(tmp_path, both)
     calibration.write_text('{"points": []}')
-    assert "not `stepbudget calibrate --json` output" in error_of(tmp_path, MINIMAL + f"        calibration: {calibration}\n")
+    calibrated = MINIMAL + f"        calibration: {calibration}\n"
+    assert "not `stepbudget calibrate --json` output" in error_of(tmp_path, calibrated)
 
 
 CALIBRATION_DOCUMENT = {"effective_bandwidth_bytes_per_second": 2.4e12, "step_overhead_seconds": 0.003,
@@ -216,7 +229,8 @@ def test_a_calibration_calibrate_rejected_is_refused_naming_deployment_file_and_
      "lacks effective_bandwidth_bytes_per_second, tolerance_ratio"),
     ({"effective_bandwidth_bytes_per_second": 0},
      "unusable effective_bandwidth_bytes_per_second: must be greater than zero"),
-    ({"effective_bandwidth_bytes_per_second": math.inf}, "unusable effective_bandwidth_bytes_per_second: expected a number"),
+    ({"effective_bandwidth_bytes_per_second": math.inf},
+     "unusable effective_bandwidth_bytes_per_second: expected a number"),
     ({"step_overhead_seconds": -0.001}, "unusable step_overhead_seconds: must not be negative"),
     ({"step_overhead_seconds": math.nan}, "unusable step_overhead_seconds: expected a number"),
     ({"spread_ratio": "wide"}, "unusable spread_ratio: expected a number"),
@@ -251,7 +265,8 @@ def test_a_negative_or_non_finite_step_overhead_is_refused(tmp_path: Path, overh
 
 def test_a_tensor_parallel_size_vllm_refuses_fails_at_its_line(tmp_path: Path) -> None:
     message = error_of(tmp_path, MINIMAL + "        tensor_parallel: 3\n")
-    assert "stepbudget.yaml:7: deployments[0].tensor_parallel: tensor parallel 3 does not fit model 'qwen3-8b'" in message
+    assert ("stepbudget.yaml:7: deployments[0].tensor_parallel: tensor parallel 3 does not fit model 'qwen3-8b'"
+            in message)
     assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in message
 
 
@@ -289,7 +304,8 @@ def test_extension_sections(tmp_path: Path) -> None:
     bad = write(tmp_path, "sharding_test: {whom: x}\n" + textwrap.dedent(MINIMAL))
     with pytest.raises(ConfigError, match=r"stepbudget.yaml:1: sharding_test.whom: unknown key"):
         config_from_mapping(read_document(str(bad)), str(bad), sections=(extra,))
-    assert "sharding_test: unknown key" in error_of(tmp_path, "sharding_test: {index: '2'}\n" + textwrap.dedent(MINIMAL))
+    unknown = error_of(tmp_path, "sharding_test: {index: '2'}\n" + textwrap.dedent(MINIMAL))
+    assert "sharding_test: unknown key" in unknown
     with pytest.raises(ValueError, match="listen"):
         top_level_keys((Section("listen", {}),))
 
@@ -320,7 +336,8 @@ def test_check_config_does_not_import_the_daemon_stack(tmp_path: Path) -> None:
     """)
     modules = set(loaded.splitlines()[-1].split())
     assert "exporter.serve.config" in modules
-    assert not modules & {"exporter.serve.daemon", "exporter.serve.poller", "exporter.serve.server", "exporter.serve.discovery",
+    assert not modules & {"exporter.serve.daemon", "exporter.serve.poller", "exporter.serve.server",
+                          "exporter.serve.discovery",
                           "exporter.serve.alerting", "exporter.serve.collector"}, modules
 
 
@@ -346,7 +363,8 @@ def test_serve_flags_override_the_file(tmp_path: Path) -> None:
     config = config_from_args(parse_serve(["--config", str(path), "--poll-interval", "2s", "--listen", "127.0.0.1:0",
                                            "--timeout", "1s", "--stale-after", "10s", "--log-format", "json",
                                            "--alertmanager-url", "http://127.0.0.1:9093", "--alert-for", "1m"]))
-    assert (config.poll_interval_seconds, config.listen, config.timeout_seconds, config.stale_after_seconds) == (2, "127.0.0.1:0", 1, 10)
+    assert (config.poll_interval_seconds, config.listen, config.timeout_seconds,
+            config.stale_after_seconds) == (2, "127.0.0.1:0", 1, 10)
     assert config.log_format == "json"
     assert config.alerting.alertmanager_urls == ("http://127.0.0.1:9093",) and config.alerting.for_seconds == 60
     with pytest.raises(ConfigError, match="poll_interval: cannot read 'often'"):
@@ -380,7 +398,8 @@ def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])
-def test_shipped_examples_are_valid(example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shipped_examples_are_valid(example: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(example.parent.parent)  # examples name files relative to the repository
     assert cli.main(["check-config", str(example)]) == 0, capsys.readouterr().err
 

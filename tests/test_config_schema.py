@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft7Validator
 
+from exporter.errors import InputError
 from exporter.serve import config as config_module
 from exporter.serve.config import ConfigError, config_from_mapping
 from exporter.serve.config_schema import chart_config_schema, config_schema, parser_schema
 from exporter.units import DURATION_PATTERN, parse_duration_seconds
-from exporter.errors import InputError
 
 VALUES_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "stepbudget" / "values.schema.json"
 
@@ -38,7 +38,7 @@ def test_every_key_of_every_section_is_in_the_schema() -> None:
 
 def test_an_unmapped_parser_fails_loudly() -> None:
     """A new key type must get a JSON schema, not silently an empty (accept-anything) one."""
-    def _new_kind_of_value(value, where):  # noqa: ANN001, ANN202
+    def _new_kind_of_value(value, where):
         return value
     with pytest.raises(ValueError, match="_new_kind_of_value"):
         parser_schema(_new_kind_of_value)

@@ -11,9 +11,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
@@ -160,7 +160,8 @@ def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("deployments:\n  - name: chat\n    model: qwen3-8b\n    gpu: h100-sxm\n"
                       "    targets: {static: [http://127.0.0.1:1/metrics]}\n    headrom: 0.5\n")
-    result = subprocess.run([str(STEPBUDGET), "serve", "--config", str(config)], capture_output=True, text=True, timeout=30)
+    result = subprocess.run([str(STEPBUDGET), "serve", "--config", str(config)], capture_output=True, text=True,
+                            timeout=30)
     assert result.returncode == 2
     assert "bad.yaml:6: deployments[0].headrom: unknown key (did you mean: headroom?)" in result.stderr
 

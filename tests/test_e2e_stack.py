@@ -26,10 +26,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -37,14 +38,42 @@ import yaml
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS
 from exporter.units import parse_duration_seconds
 from tests.support.e2e.quickstart import (
-    KUBE_PROMETHEUS_STACK_VALUES, OPERATOR_ALERT_RELABEL_CONFIGS, OPERATOR_EXTERNAL_LABELS, QUICKSTART,
-    STEPBUDGET_VALUES, heredoc, helm_set_flags, quickstart_alert_relabel_configs, values,
+    KUBE_PROMETHEUS_STACK_VALUES,
+    OPERATOR_ALERT_RELABEL_CONFIGS,
+    OPERATOR_EXTERNAL_LABELS,
+    QUICKSTART,
+    STEPBUDGET_VALUES,
+    helm_set_flags,
+    heredoc,
+    quickstart_alert_relabel_configs,
+    values,
 )
 from tests.support.e2e.stack import (
-    Deadline, DaemonHistory, ManagedProcess, PrometheusApi, RecordingServer, SeriesKey, alertmanager_alerts,
-    alertmanager_config, compare_pages, copy_rules_with_for, describe, differences_besides_for, get_text,
-    panels, parse_exposition, poll_times, posted_alerts, prometheus_config, rate_interval, resolve_variables,
-    start_process, substitute, wait_for, webhook_alerts, write_yaml,
+    DaemonHistory,
+    Deadline,
+    ManagedProcess,
+    PrometheusApi,
+    RecordingServer,
+    SeriesKey,
+    alertmanager_alerts,
+    alertmanager_config,
+    compare_pages,
+    copy_rules_with_for,
+    describe,
+    differences_besides_for,
+    get_text,
+    panels,
+    parse_exposition,
+    poll_times,
+    posted_alerts,
+    prometheus_config,
+    rate_interval,
+    resolve_variables,
+    start_process,
+    substitute,
+    wait_for,
+    webhook_alerts,
+    write_yaml,
 )
 from tests.support.monitoring import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO
 from tests.support.servers import free_port
@@ -185,8 +214,8 @@ def test_the_short_for_copy_differs_from_the_rules_only_in_for(tmp_path: Path) -
     path = copy_rules_with_for(ALERTS_FILE, tmp_path / "copy.yaml", {PAGE: SHORT_FOR})
     copy = yaml.safe_load(path.read_text())
     assert differences_besides_for(original, copy) == []
-    fors = {(r["alert"], r["for"], c["for"]) for g, h in zip(original["groups"], copy["groups"])
-            for r, c in zip(g["rules"], h["rules"]) if r.get("for") != c.get("for")}
+    fors = {(r["alert"], r["for"], c["for"]) for g, h in zip(original["groups"], copy["groups"], strict=True)
+            for r, c in zip(g["rules"], h["rules"], strict=True) if r.get("for") != c.get("for")}
     assert fors == {(PAGE, _page_rule()["for"], SHORT_FOR)}
     # The comparison itself can fail: any other change is reported.
     copy["groups"][0]["rules"][0]["labels"]["severity"] = "page"
@@ -377,15 +406,15 @@ def _expected_pool_rules(raw: dict[SeriesKey, float], target_rates: dict[SeriesK
     """What the pool-level recording rules must give: sums, counts, extremes and ratios per pool."""
     expected: dict[SeriesKey, float] = {}
     for suffix, (aggregate, source) in POOL_AGGREGATES.items():
-        for pool, values in _per_pool(_by_target(raw, source)).items():
-            expected[(POOL + suffix, pool)] = aggregate(values)
+        for pool, pool_values in _per_pool(_by_target(raw, source)).items():
+            expected[(POOL + suffix, pool)] = aggregate(pool_values)
     predicted = _by_target(raw, "stepbudget_predicted_step_seconds")
     budget = _by_target(raw, "stepbudget_step_budget_seconds")
     over = {labels: float(predicted[labels] > budget[labels]) for labels in predicted.keys() & budget.keys()}
-    for pool, values in _per_pool(over).items():
-        expected[(POOL + "targets_over_budget:sum", pool)] = sum(values)
-    for pool, values in _per_pool({labels: value for (_, labels), value in target_rates.items()}).items():
-        expected[(POOL + "preemptions:rate5m", pool)] = sum(values)
+    for pool, pool_values in _per_pool(over).items():
+        expected[(POOL + "targets_over_budget:sum", pool)] = sum(pool_values)
+    for pool, pool_values in _per_pool({labels: value for (_, labels), value in target_rates.items()}).items():
+        expected[(POOL + "preemptions:rate5m", pool)] = sum(pool_values)
     for ratio, denominator in POOL_RATIOS.items():
         for (name, pool), tokens in list(expected.items()):
             total = expected.get((POOL + denominator, pool), 0.0)
@@ -427,7 +456,7 @@ def _check_group(stack: Stack, records: list[str]) -> list[str] | None:
                  for k in recorded.keys() - expected.keys()]
     for key in expected.keys() & recorded.keys():
         want, got = expected[key], recorded[key]
-        if isinstance(want, bool) and (got > 0) != want or not isinstance(want, bool) and got != want:
+        if (isinstance(want, bool) and (got > 0) != want) or (not isinstance(want, bool) and got != want):
             problems.append(f"{describe(key)}: expected {want!r}, recorded {got!r} (evaluated at {at_seconds})")
     return problems or None
 
@@ -441,12 +470,12 @@ def test_recording_rules_compute_what_they_say_from_the_daemons_series(stack: St
     for group, records in _recorded_rules().items():
         last: list[list[str] | None] = [None]
 
-        def agrees(records: list[str] = records) -> bool:
+        def agrees(records: list[str] = records, last: list[list[str] | None] = last) -> bool:
             last[0] = _check_group(stack, records)
             return last[0] is None
 
         wait_for(agrees, timeout_seconds=20, deadline=stack.deadline, what=f"the {group} recording rules to agree",
-                 state=lambda: last[0])
+                 state=lambda last=last: last[0])
         recorded_names = {name for name, _ in stack.prometheus.samples(
             "{__name__=~\"" + "|".join(map(re.escape, records)) + "\"}")}
         assert recorded_names == set(records), f"recorded series with no data: {set(records) - recorded_names}"

@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from exporter.capacity import model
-from exporter.serve.config import Config, config_from_mapping
 from exporter.capacity.presets import get_model_preset
+from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.snapshot import Histogram, Snapshot
 from exporter.serve.window import compute_window
 from tests.support.clocks import ManualClock
@@ -69,7 +69,8 @@ def test_a_page_without_capacity_is_marked_estimated_and_logged_once(
     capacity = model.kv_capacity_tokens(config.deployments[0].resolved.setup)
     assert reading.kv_cache_capacity_tokens == capacity
     assert reading.tokens_in_flight == pytest.approx(0.5 * capacity)
-    marks = {(labels["quantity"], labels["reason"]) for labels, _ in scrape(config, poller)["stepbudget_estimated_info"]}
+    marks = {(labels["quantity"], labels["reason"])
+             for labels, _ in scrape(config, poller)["stepbudget_estimated_info"]}
     assert marks == {("kv_cache_capacity_tokens", "model_capacity"), ("tokens_in_flight", "model_capacity")}
     assert len([line for line in logs if line["event"] == "reading_partial"]) <= 1
     # The page lacks the same thing at every poll: one reading_partial line at most, not one a poll.
@@ -109,7 +110,8 @@ def test_hybrid_kv_usage_counts_blocks_of_every_group_not_tokens(
     context = (500 - 6 * 65) * 16
     assert reading.tokens_in_flight == pytest.approx(10 * context)
     assert reading.kv_cache_capacity_tokens == pytest.approx(10 * context / 0.5)
-    assert dict(reading.estimated) == {"tokens_in_flight": "hybrid_kv_blocks", "kv_cache_capacity_tokens": "hybrid_kv_blocks"}
+    assert dict(reading.estimated) == {"tokens_in_flight": "hybrid_kv_blocks",
+                                       "kv_cache_capacity_tokens": "hybrid_kv_blocks"}
     # Not usage x blocks x block size, which counts every group's blocks as context tokens.
     assert reading.tokens_in_flight < 0.5 * 10000 * 16 / 4
 

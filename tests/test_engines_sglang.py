@@ -52,7 +52,8 @@ def test_v0_5_1_capture() -> None:
 def test_2024_capture_labels_the_model_name() -> None:
     reading = read_page((DATA / "sglang_metrics_sample_2024-11_pr1853_partial.txt").read_text())
     (snap,) = reading.snapshots
-    assert snap.model_name == "/shared/public/elr-models/meta-llama/Llama-3.2-3B/5cc0ffe09ee49f7be6ca7c794ee6bd7245e84e60/"
+    assert snap.model_name == ("/shared/public/elr-models/meta-llama/Llama-3.2-3B/"
+                               "5cc0ffe09ee49f7be6ca7c794ee6bd7245e84e60/")
     assert snap.kv_cache_capacity_tokens == 570979.0  # sglang:max_total_num_tokens{name=...} 570979.0
     assert snap.prompt_tokens_total == 230794.0
 

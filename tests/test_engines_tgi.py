@@ -34,7 +34,8 @@ def test_constructed_page_every_field() -> None:
 
 
 def test_counter_with_total_suffix_and_no_capacity() -> None:
-    page = 'tgi_batch_current_size 3\ntgi_batch_current_max_tokens 900\ntgi_batch_inference_count_total{method="decode"} 77\n'
+    page = ('tgi_batch_current_size 3\ntgi_batch_current_max_tokens 900\n'
+            'tgi_batch_inference_count_total{method="decode"} 77\n')
     (snap,) = read_page(page).snapshots
     assert snap.engine_steps_total == 77.0
     assert snap.kv_cache_usage_ratio is None  # no tgi_batch_max_total_tokens to divide by

@@ -42,7 +42,7 @@ def test_current_single_process_page_every_field() -> None:
     assert snap.engine_steps_total == 164.0  # vllm:iteration_tokens_total_count
     itl = snap.inter_token_latency
     assert itl is not None
-    assert [le for le, _ in itl.buckets] == ITL_EDGES + [math.inf]  # edges read from the page
+    assert [le for le, _ in itl.buckets] == [*ITL_EDGES, math.inf]  # edges read from the page
     assert [count for _, count in itl.buckets] == [0.0] + [636.0] * 19
     assert (itl.count, itl.sum) == (636.0, 7.631999999999872)
     assert snap.tokens_in_flight is None
@@ -57,9 +57,11 @@ def test_multiprocess_page_reads_the_same_as_single_process() -> None:
 
 def test_prefers_kv_cache_size_tokens_then_blocks_times_block_size() -> None:
     base = 'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
-    group_aware = base + 'vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="218464",num_gpu_blocks="24978"} 1\n'
+    group_aware = base + ('vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="218464",'
+                          'num_gpu_blocks="24978"} 1\n')
     assert only(group_aware).kv_cache_capacity_tokens == 218464  # not 24978 * 16 = 399648
-    older = base + 'vllm:cache_config_info{block_size="32",engine="0",kv_cache_size_tokens="None",num_gpu_blocks="1000"} 1\n'
+    older = base + ('vllm:cache_config_info{block_size="32",engine="0",kv_cache_size_tokens="None",'
+                    'num_gpu_blocks="1000"} 1\n')
     assert only(older).kv_cache_capacity_tokens == 1000 * 32
     assert only(older).block_size_tokens == 32
     no_blocks = base + 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="None"} 1\n'
@@ -107,7 +109,8 @@ def test_early_v1_design_doc_capture() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["vllm_metrics_sample_v0.5era_functionary_pr263_help_type_only.txt", "vllm_metrics_sample_docs_usage_iteration_tokens.txt"]
+    "name", ["vllm_metrics_sample_v0.5era_functionary_pr263_help_type_only.txt",
+             "vllm_metrics_sample_docs_usage_iteration_tokens.txt"]
 )
 def test_captures_without_usable_samples_are_page_errors(name: str) -> None:
     with pytest.raises(PageError):
@@ -148,7 +151,8 @@ def test_missing_metrics_are_none_and_named() -> None:
     named = {m.split(":")[0] for m in snap.missing}
     assert named == {
         "tokens_in_flight", "requests_waiting", "kv_cache_usage_ratio", "inter_token_latency", "prompt_tokens_total",
-        "generation_tokens_total", "preemptions_total", "engine_steps_total", "kv_cache_capacity_tokens", "block_size_tokens",
+        "generation_tokens_total", "preemptions_total", "engine_steps_total", "kv_cache_capacity_tokens",
+        "block_size_tokens",
     }
 
 

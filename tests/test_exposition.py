@@ -105,7 +105,7 @@ def test_unusable_pages_raise_page_error_with_a_reason(page: str, reason: str) -
 
 def test_bytes_with_invalid_utf8_are_garbage_not_a_crash() -> None:
     with pytest.raises(PageError) as caught:
-        read_page(bytes(range(256)) * 4)  # type: ignore[arg-type]
+        read_page(bytes(range(256)) * 4)  # type: ignore[arg-type]  # bytes on purpose: refused as garbage
     assert caught.value.reason == "not Prometheus text"
 
 
@@ -140,7 +140,8 @@ def test_fuzz_any_text_gives_a_reading_or_page_error(text: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(cut=st.integers(min_value=0, max_value=len(REAL_PAGE)), flips=st.lists(st.tuples(st.integers(0, len(REAL_PAGE) - 1), st.characters()), max_size=6))
+@given(cut=st.integers(min_value=0, max_value=len(REAL_PAGE)),
+       flips=st.lists(st.tuples(st.integers(0, len(REAL_PAGE) - 1), st.characters()), max_size=6))
 def test_fuzz_cut_and_corrupted_real_pages(cut: int, flips: list[tuple[int, str]]) -> None:
     chars = list(REAL_PAGE[:cut])
     for position, char in flips:

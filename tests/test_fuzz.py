@@ -127,7 +127,7 @@ def test_mutated_captures_read_or_refuse_and_never_carry_bad_numbers(page: str, 
 @given(text=st.one_of(st.text(max_size=600), st.binary(max_size=600)), kind=st.sampled_from(KINDS))
 def test_random_text_and_bytes_read_or_refuse(text: str | bytes, kind: str) -> None:
     try:
-        reading = read_page(text, kind)  # type: ignore[arg-type]
+        reading = read_page(text, kind)  # type: ignore[arg-type]  # hostile input on purpose: bytes too
     except PageError:
         return
     for snapshot in reading.snapshots:
@@ -156,7 +156,7 @@ def test_every_capture_exports_cleanly_against_itself_and_each_mutation_kind() -
         if not line.startswith("vllm:") or " " not in line:
             continue
         for bad in ("NaN", "-1", "+Inf"):
-            edited = "\n".join(lines[:number] + [line.rsplit(" ", 1)[0] + " " + bad] + lines[number + 1:])
+            edited = "\n".join([*lines[:number], line.rsplit(" ", 1)[0] + " " + bad, *lines[number + 1:]])
             later = read_or_page_error(edited, "vllm")
             for snapshot in later:
                 assert_snapshot_clean(snapshot)

@@ -79,7 +79,8 @@ def test_every_engine_reads_what_was_fed(name: str, page_server: PageServer, clo
         if "engine_steps_total" in values:
             computed = "prompt_tokens_local_compute_total" if "prompt_tokens_local_compute_total" in values \
                 else "prompt_tokens_total"  # no cache hits fed: every prompt token was computed
-            prefill = (values[computed] - before[computed]) / (values["engine_steps_total"] - before["engine_steps_total"])
+            steps = values["engine_steps_total"] - before["engine_steps_total"]
+            prefill = (values[computed] - before[computed]) / steps
             assert reading.prefill_tokens_per_step == pytest.approx(prefill, rel=0.01)
     if "tokenizer" in t1:  # SGLang: the ITL histogram is the tokenizer's, one for the whole server
         mean = (t1["tokenizer"]["itl_sum"] - t0["tokenizer"]["itl_sum"]) / (
@@ -154,7 +155,8 @@ def test_bursty_prefill_predicts_the_mean_step(burst_share: float, page_server: 
     before = VllmState(**common, prompt_tokens_computed=0, iteration_buckets=_cumulative([]))
     after = VllmState(**common, prompt_tokens=bursts * chunk, prompt_tokens_computed=bursts * chunk,
                       generation_tokens=running * steps, engine_steps=steps, iteration_tokens_sum=sum(per_step),
-                      iteration_buckets=_cumulative(per_step), itl_count=running * steps, itl_sum=running * steps * 0.02,
+                      iteration_buckets=_cumulative(per_step), itl_count=running * steps,
+                      itl_sum=running * steps * 0.02,
                       itl_buckets={0.01: 0, 0.025: running * steps, 0.05: running * steps, 0.1: running * steps})
     config = _config(page_server.url)
     poller = make_poller(config, clock)

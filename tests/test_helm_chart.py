@@ -46,7 +46,7 @@ def _helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([require_tool("helm"), *args], capture_output=True, text=True, check=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_text(values: Path | None, sets: tuple[str, ...] = ()) -> str:
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     if values:
@@ -324,7 +324,8 @@ def test_service_monitor_scrapes_the_service_port_with_honor_labels(values: Path
     docs = render(values)
     monitor = one(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    service = next(s for s in of_kind(docs, "Service") if _matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
+    service = next(s for s in of_kind(docs, "Service")
+                   if _matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}

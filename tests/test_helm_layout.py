@@ -20,8 +20,18 @@ import yaml
 from jsonschema import Draft7Validator
 
 from tests.test_helm_chart import (
-    CHART, CI_VALUES, DEPLOYMENT_VALUES, NAMESPACE, RELEASE, STATEFULSET_VALUES, _helm, _matches, of_kind, one,
-    render, workload,
+    CHART,
+    CI_VALUES,
+    DEPLOYMENT_VALUES,
+    NAMESPACE,
+    RELEASE,
+    STATEFULSET_VALUES,
+    _helm,
+    _matches,
+    of_kind,
+    one,
+    render,
+    workload,
 )
 
 DATA = Path(__file__).parent / "data"

@@ -14,9 +14,9 @@ import pytest
 
 from exporter.capacity import model
 from exporter.capacity.deployment import build_setup, load_architecture
-from exporter.errors import InputError, UnsupportedModelError
 from exporter.capacity.hf_config import load_hf_config
 from exporter.capacity.presets import get_model_preset
+from exporter.errors import InputError, UnsupportedModelError
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import generate_latest

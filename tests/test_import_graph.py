@@ -1,4 +1,5 @@
-"""The shape of `exporter/`: no import cycle and no reach-ins to another module's `_private` names.
+"""The shape of `exporter/`: no import cycle, no reach-ins to another module's `_private` names, and
+layering: `exporter.capacity` imports nothing from serve, admission or the simulator.
 
 Why: a cycle makes import order matter (a half-initialised module hands out missing names) and
 lets wiring happen as a side effect of imports; a reach-in couples two modules through a name
@@ -74,14 +75,15 @@ def _private_module_allowed(importer: str, is_package: bool, target: str) -> boo
 class _Walker(ast.NodeVisitor):
     """Collects the imports and reach-ins of one module, skipping TYPE_CHECKING blocks for edges."""
 
-    def __init__(self, info: ModuleInfo, modules: set[str]) -> None:
+    def __init__(self, info: ModuleInfo, modules: set[str], *, type_checking_too: bool = False) -> None:
         self.info = info
         self.modules = modules
+        self.type_checking_too = type_checking_too  # count TYPE_CHECKING imports as edges as well
         self.aliases: dict[str, str] = {}  # local name -> exporter module it is bound to
         self.type_checking_depth = 0
 
     def _edge(self, target: str) -> None:
-        if self.type_checking_depth:
+        if self.type_checking_depth and not self.type_checking_too:
             return
         own_package = self.info.name if self.info.is_package else self.info.name.rpartition(".")[0]
         parts = target.split(".")
@@ -233,3 +235,50 @@ def test_the_walker_finds_reach_ins() -> None:
 def test_find_cycle_prints_the_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# --- layering --------------------------------------------------------------------------------------
+
+# Offline capacity planning is the base the daemon (serve), admission and the simulator build on: it
+# may never depend on them, or `stepbudget plan` would load the daemon and a change to the pipeline
+# could break the planner. TYPE_CHECKING imports count here too: a type from above is a dependency.
+LAYERS_BELOW = {
+    "exporter.capacity": ("exporter.serve", "exporter.admission", "exporter.simulator"),
+}
+
+
+def _all_imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """Every exporter module `name` imports, TYPE_CHECKING blocks included."""
+    info = ModuleInfo(name, path.name == "__init__.py")
+    _Walker(info, modules, type_checking_too=True).visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+    return info.imports
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layering_violations(modules: dict[str, Path]) -> list[str]:
+    names = set(modules)
+    return [f"{name} imports {target}"
+            for name, path in modules.items()
+            for lower, forbidden in LAYERS_BELOW.items() if _in(name, lower)
+            for target in sorted(_all_imports(name, path, names))
+            if any(_in(target, package) for package in forbidden)]
+
+
+def test_capacity_imports_nothing_from_serve_admission_or_the_simulator() -> None:
+    found = layering_violations(all_modules())
+    assert not found, "layering (docs/architecture.md):\n" + "\n".join(found)
+
+
+def test_the_layering_check_finds_an_upward_import(tmp_path: Path) -> None:
+    path = tmp_path / "planner.py"
+    path.write_text("from typing import TYPE_CHECKING\n"
+                    "if TYPE_CHECKING:\n    from exporter.serve.config import Config\n"
+                    "def f():\n    from exporter.simulator import engine\n")
+    found = layering_violations({"exporter.capacity.planner": path, "exporter.serve.config": path,
+                                 "exporter.simulator": path, "exporter.simulator.engine": path})
+    assert found == ["exporter.capacity.planner imports exporter.serve.config",
+                     "exporter.capacity.planner imports exporter.simulator",
+                     "exporter.capacity.planner imports exporter.simulator.engine"], found

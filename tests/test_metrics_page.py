@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import http.client
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -75,7 +75,7 @@ def test_scrapes_between_polls_get_the_same_bytes_without_running_the_collector(
 
 def test_each_format_is_cached_apart_and_gzip_round_trips(
         page_server: PageServer, clock: ManualClock, make_poller: MakePoller, collects: list[int]) -> None:
-    page, poller = polled_page(page_server, clock, make_poller)
+    page, _poller = polled_page(page_server, clock, make_poller)
     plain = page.response("", "")
     zipped = page.response("", "deflate, gzip;q=0.9")
     assert zipped.headers == {"Content-Encoding": "gzip"} and "Content-Encoding" not in plain.headers

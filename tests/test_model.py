@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from exporter.capacity import model
 from exporter.capacity.deployment import build_setup
-from exporter.errors import InputError
 from exporter.capacity.model import Architecture, CalibrationPoint, RequestGroup
 from exporter.capacity.presets import MODELS, get_model_preset
+from exporter.errors import InputError
 
 KIB = 1024
 H100_PEAK_BYTES_PER_SECOND = 3.35e12
@@ -26,7 +26,7 @@ QWEN3_8B_PARAMS = 8.19e9
 
 
 def qwen3_setup(**overrides: object) -> model.ServingSetup:
-    return build_setup(get_model_preset("qwen3-8b"), "h100-sxm", **overrides).setup  # type: ignore[arg-type]
+    return build_setup(get_model_preset("qwen3-8b"), "h100-sxm", **overrides).setup  # type: ignore[arg-type]  # overrides: any of build_setup's keywords
 
 
 # --- Qwen3-8B bf16 on an H100 SXM at 60% of 3.35 TB/s ------------------------------------------
@@ -346,7 +346,7 @@ def test_calibration_with_one_point_divides_bytes_by_the_gap() -> None:
 def test_calibration_with_two_points_fits_bandwidth_and_overhead() -> None:
     bandwidth, overhead = 2.2e12, 0.0015
     reads = [QWEN3_WEIGHT_BYTES + c * QWEN3_KV_BYTES_PER_TOKEN for c in (500, 60_000)]
-    points = [CalibrationPoint(overhead + r / bandwidth, c, r) for r, c in zip(reads, (500, 60_000))]
+    points = [CalibrationPoint(overhead + r / bandwidth, c, r) for r, c in zip(reads, (500, 60_000), strict=True)]
     result = model.calibrate(points)
     assert result.overhead_fitted
     assert result.effective_bandwidth_bytes_per_second == pytest.approx(bandwidth, rel=1e-9)

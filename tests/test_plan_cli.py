@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cli import main
-from exporter.capacity.planner import build_plan, curve_points, predict_loads, parse_load
 from exporter.capacity.deployment import build_setup
-from exporter.capacity.presets import get_model_preset
 from exporter.capacity.model import RequestGroup
+from exporter.capacity.planner import build_plan, curve_points, parse_load, predict_loads
+from exporter.capacity.presets import get_model_preset
+from exporter.cli import main
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 QWEN3_KV = 2 * 36 * 8 * 128 * 2
@@ -118,7 +118,7 @@ def test_the_plot_curve_is_the_per_user_speed_at_each_tokens_in_flight() -> None
     plan = build_plan(build_setup(get_model_preset("qwen3-8b"), "h100-sxm"))
     xs, ys = curve_points(plan)
     assert xs[0] == 0 and xs[-1] >= plan.kv_capacity_tokens
-    for x, y in zip(xs, ys):  # memory-bound all along: weights plus every token's KV, read once per step
+    for x, y in zip(xs, ys, strict=True):  # memory-bound all along: weights plus every token's KV, read once per step
         assert y == pytest.approx(H100_EFFECTIVE / (QWEN3_WEIGHTS + QWEN3_KV * x), rel=1e-9)
 
 
@@ -166,7 +166,8 @@ def test_ssm_hybrid_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     (["--load", "0x100"], "--load '0x100'"),
     (["--kv-cache-dtype", "fp7"], "kv cache dtype"),
 ])
-def test_bad_sizes_and_values_name_the_flag(capsys: pytest.CaptureFixture[str], flags: list[str], expected: str) -> None:
+def test_bad_sizes_and_values_name_the_flag(capsys: pytest.CaptureFixture[str], flags: list[str],
+                                            expected: str) -> None:
     assert expected in bad_input(capsys, "plan", *flags)
 
 
@@ -178,7 +179,8 @@ def test_load_in_the_wrong_form_says_the_expected_form(capsys: pytest.CaptureFix
 def test_weights_that_do_not_fit_are_flagged(capsys: pytest.CaptureFixture[str]) -> None:
     out = plan_json(capsys, "--model", "deepseek-v3")  # 671e9 x 2 bytes on one 80 GB GPU
     assert out["weights_fit"] is False and out["kv_capacity_tokens"] == 0
-    assert plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--weight-dtype", "fp8")["weights_fit"]
+    assert plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8",
+                     "--weight-dtype", "fp8")["weights_fit"]
     assert main(["plan", "--model", "deepseek-v3"]) == 0
     assert "weights do not fit" in capsys.readouterr().out
 

@@ -1,7 +1,8 @@
 """The poller under failure: every way a model server can misbehave gives `stepbudget_target_up 0`
 or a clearly logged partial reading, never a crash and never a wrong number exported as valid.
 
-Every fetch goes to a real HTTP(S) server on 127.0.0.1 (or none, for a refused connection). Time is injected: the poll clock is a ManualClock, the fetch deadline's clock
+Every fetch goes to a real HTTP(S) server on 127.0.0.1 (or none, for a refused connection). Time is
+injected: the poll clock is a ManualClock, the fetch deadline's clock
 is injected where the test is about the deadline.
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
-from typing import Iterator
 
 import pytest
 import structlog
@@ -325,7 +326,8 @@ def test_nan_and_inf_values_are_left_out(page_server: PageServer, clock: ManualC
     with capture_logs() as logs:
         reading = only_reading(poller.poll_once().readings)
     assert reading.target_up is True
-    assert reading.requests_running is None and reading.kv_cache_usage_ratio is None and reading.tokens_in_flight is None
+    assert reading.requests_running is None and reading.kv_cache_usage_ratio is None
+    assert reading.tokens_in_flight is None
     assert reading.predicted_step_seconds is None and reading.token_budget_utilization_ratio is None
     assert reading.requests_waiting == 3
     assert any(line["event"] == "reading_partial" for line in logs)
@@ -409,7 +411,7 @@ def test_scheduler_runs_the_poll_and_stops(page_server: PageServer, make_poller:
     poller.start()
     try:
         assert done.wait(10), "the first poll did not run"
-        job = poller._scheduler.get_job("poll")  # type: ignore[attr-defined]
+        job = poller._scheduler.get_job("poll")  # type: ignore[attr-defined]  # apscheduler is untyped: _scheduler is held as object
         assert job.max_instances == 1 and job.coalesce is True and job.misfire_grace_time == 3600
         assert job.trigger.interval.total_seconds() == 3600
         assert poller.ready
@@ -436,7 +438,8 @@ def test_logs_are_json_lines_with_stdlib_loggers_bridged_and_scheduler_overruns_
         lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     finally:
         logging.getLogger().handlers.clear()
-    assert lines[0]["event"] == "target_down" and lines[0]["target"] == "10.0.0.5:8000" and lines[0]["level"] == "warning"
+    assert lines[0]["event"] == "target_down" and lines[0]["target"] == "10.0.0.5:8000"
+    assert lines[0]["level"] == "warning"
     assert lines[1]["event"] == "Connection pool is full" and lines[1]["logger"] == "urllib3.connectionpool"
     assert len(lines) == 2
 

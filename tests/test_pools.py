@@ -11,14 +11,19 @@ import json
 
 import pytest
 
-from exporter.cli import main
 from exporter.capacity.deployment import build_setup
-from exporter.errors import InputError
 from exporter.capacity.model import RequestGroup
 from exporter.capacity.pools import (
-    DEFAULT_SPLIT_TOKENS, parse_split, plan_pools, pools_to_json, run_if_asked, split_loads,
+    DEFAULT_SPLIT_TOKENS,
+    parse_split,
+    plan_pools,
+    pools_to_json,
+    run_if_asked,
+    split_loads,
 )
 from exporter.capacity.presets import get_model_preset
+from exporter.cli import main
+from exporter.errors import InputError
 
 KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head dim, bf16
 WEIGHT_BYTES = 8.19e9 * 2
@@ -100,7 +105,8 @@ def run_plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def test_json_output_carries_each_class(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_plan(["--pools", "--split", "32000", "--load", "40x2000", "--load", "2x100000", "--json"], capsys)
+    code, out, _ = run_plan(["--pools", "--split", "32000", "--load", "40x2000", "--load", "2x100000", "--json"],
+                            capsys)
     assert code == 0
     document = json.loads(out)
     assert document["split_tokens"] == 32_000

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -136,7 +137,7 @@ def compared(series: Series) -> dict[tuple[str, str], float]:
 
 def test_prometheus_mode_exports_what_direct_polling_exports(servers: list[ServerHandle], prometheus: tuple,
                                                              started: Callable[[Config], Daemon]) -> None:
-    process, base = prometheus
+    _process, base = prometheus
     direct = started(daemon_config({"static": [f"{handle.url}/metrics" for handle in servers]}))
     via_prometheus = started(daemon_config({"prometheus": {"url": base, "selector": 'job="vllm"'}}))
     wait_until(lambda: len(scrape_times(base)) == len(servers), timeout_seconds=40.0, interval_seconds=0.2)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.serve.config import ConfigError, Config, config_from_mapping
+from exporter.serve.config import Config, ConfigError, config_from_mapping
 from exporter.serve.discovery import Discovery
 from exporter.serve.engines import read_page, wanted_names
 from exporter.serve.poller import Poller
@@ -40,7 +41,7 @@ class QueryApi:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            def do_POST(self) -> None:  # http.server naming
                 length = int(self.headers.get("Content-Length", 0))
                 form = {k: v[0] for k, v in parse_qs(self.rfile.read(length).decode()).items()}
                 headers = {k.lower(): v for k, v in self.headers.items()}
@@ -55,7 +56,7 @@ class QueryApi:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -158,7 +159,8 @@ def test_config_takes_a_selector_with_or_without_braces_and_inherits_auth() -> N
 ])
 def test_config_refuses_bad_prometheus_sections(targets: dict[str, Any], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
-        config_from_mapping({"deployments": [{"name": "c", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": targets}]})
+        config_from_mapping({"deployments": [{"name": "c", "model": "qwen3-8b", "gpu": "h100-sxm",
+                                               "targets": targets}]})
 
 
 # --- the query ----------------------------------------------------------------------------------

@@ -9,12 +9,12 @@ import math
 
 import pytest
 
+from exporter.capacity import model
 from exporter.serve.config import Deployment, config_from_mapping
 from exporter.serve.discovery import Target
 from exporter.serve.reading import IDLE_CONTEXT_TOKENS, derive_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window
-from exporter.capacity import model
 
 TARGET = Target("chat", "http://10.0.0.5:8000/metrics", "10.0.0.5:8000", namespace="llm", pod="vllm-0")
 
@@ -26,7 +26,7 @@ def deployment(tmp_path=None, **keys: object) -> Deployment:
 
 
 def snapshot(**values: object) -> Snapshot:
-    return Snapshot(kind="vllm", model_name="Qwen/Qwen3-8B", engine="0", **values)  # type: ignore[arg-type]
+    return Snapshot(kind="vllm", model_name="Qwen/Qwen3-8B", engine="0", **values)  # type: ignore[arg-type]  # values: any Snapshot field
 
 
 def window(mean: float | None = None, median: float | None = None, prefill: float | None = None) -> Window:
@@ -45,7 +45,8 @@ def test_reading_by_hand() -> None:
     tokens = 0.5 * 2000 * 16
     reading = derive_reading(d, TARGET, snapshot(requests_running=10, requests_waiting=1, kv_cache_usage_ratio=0.5,
                                                  kv_cache_capacity_tokens=2000 * 16, preemptions_total=7),
-                             window(mean=0.02, median=0.019, prefill=100), now_seconds=1000.0, scrape_duration_seconds=0.3)
+                             window(mean=0.02, median=0.019, prefill=100), now_seconds=1000.0,
+                             scrape_duration_seconds=0.3)
     memory = (WEIGHTS + KV_PER_TOKEN * tokens) / 2e12
     gemm = 2 * 8.19e9 * (10 + 100) / COMPUTE
     # 10 decode tokens attend to their 16,000 tokens; the prefill's chunks (context unknown) are not counted.
@@ -131,12 +132,14 @@ def test_model_alone_over_budget_means_zero_budget_and_no_utilization() -> None:
 
 def test_calibration_file_sets_bandwidth_overhead_and_source(tmp_path) -> None:
     calibration = tmp_path / "calibration.json"
-    calibration.write_text('{"effective_bandwidth_bytes_per_second": 2.5e12, "step_overhead_seconds": 0.004, "points": [], '
+    calibration.write_text('{"effective_bandwidth_bytes_per_second": 2.5e12, "step_overhead_seconds": 0.004, '
+                           '"points": [], '
                            '"agrees": true, "spread_ratio": 0.02, "tolerance_ratio": 0.15}')
     d = config_from_mapping({"deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
                                               "calibration": str(calibration),
                                               "targets": {"static": ["http://10.0.0.5:8000/metrics"]}}]}).deployments[0]
-    reading = derive_reading(d, TARGET, snapshot(requests_running=4, kv_cache_usage_ratio=0.5, kv_cache_capacity_tokens=8000),
+    reading = derive_reading(d, TARGET,
+                             snapshot(requests_running=4, kv_cache_usage_ratio=0.5, kv_cache_capacity_tokens=8000),
                              None, now_seconds=0, scrape_duration_seconds=0)
     memory = (WEIGHTS + KV_PER_TOKEN * 4000) / 2.5e12
     assert reading.predicted_step_seconds == pytest.approx(0.004 + memory)
@@ -156,9 +159,11 @@ def test_moe_budget_uses_the_current_mean_context_or_2000_when_idle() -> None:
     """Qwen3-30B-A3B is not linear in tokens (experts touched grow with the batch): its budget is
     quoted at the live mean context, and at 2,000 tokens per request when the server is idle."""
     d = deployment(model="qwen3-30b-a3b")
-    busy = derive_reading(d, TARGET, snapshot(requests_running=8, kv_cache_usage_ratio=0.5, kv_cache_capacity_tokens=64000),
+    busy = derive_reading(d, TARGET,
+                          snapshot(requests_running=8, kv_cache_usage_ratio=0.5, kv_cache_capacity_tokens=64000),
                           None, now_seconds=0, scrape_duration_seconds=0)
-    idle = derive_reading(d, TARGET, snapshot(requests_running=0, kv_cache_usage_ratio=0.0, kv_cache_capacity_tokens=64000),
+    idle = derive_reading(d, TARGET,
+                          snapshot(requests_running=0, kv_cache_usage_ratio=0.0, kv_cache_capacity_tokens=64000),
                           None, now_seconds=0, scrape_duration_seconds=0)
     setup, budget = d.resolved.setup, d.step_budget_seconds
     assert busy.token_budget_tokens == pytest.approx(model.token_budget_tokens(setup, budget, 32000 / 8))

@@ -174,8 +174,10 @@ def test_unit_tests_catch_a_for_one_minute_shorter(name: str, tmp_path: Path) ->
 # (alert, comparison as written, comparison one step looser or tighter at the threshold).
 # StepBudgetTargetDown has no threshold to move: target_up is 0 or 1; its `for` is mutated above.
 THRESHOLD_MUTATIONS = [
-    ("StepBudgetPredictedStepOverBudget", "(stepbudget_predicted_step_seconds)\n  >", "(stepbudget_predicted_step_seconds)\n  >="),
-    ("StepBudgetMeasuredStepOverBudget", "(stepbudget_measured_step_seconds)\n  >", "(stepbudget_measured_step_seconds)\n  >="),
+    ("StepBudgetPredictedStepOverBudget",
+     "(stepbudget_predicted_step_seconds)\n  >", "(stepbudget_predicted_step_seconds)\n  >="),
+    ("StepBudgetMeasuredStepOverBudget",
+     "(stepbudget_measured_step_seconds)\n  >", "(stepbudget_measured_step_seconds)\n  >="),
     ("StepBudgetPredictionDrift", "> 0.15", ">= 0.15"),
     ("StepBudgetPrefillInterference", "<=", "<"),
     ("StepBudgetKVCacheNearlyFull", "> 0.95", ">= 0.95"),

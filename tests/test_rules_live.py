@@ -12,9 +12,9 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import requests
@@ -32,7 +32,8 @@ TARGETS = {
     "a": {"stepbudget_predicted_step_seconds": 0.03125, "stepbudget_tokens_in_flight": 65536},
     "b": {"stepbudget_predicted_step_seconds": 0.0078125, "stepbudget_tokens_in_flight": 32768},
 }
-COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1, "stepbudget_kv_cache_usage_ratio": 0.25,
+COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1,
+          "stepbudget_kv_cache_usage_ratio": 0.25,
           "stepbudget_measured_step_seconds": 0.015625, "stepbudget_prediction_error_ratio": 0.0}
 PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info"}
 NOT_PER_TARGET = PER_DEPLOYMENT | {"stepbudget_build_info", "stepbudget_admission_decisions_total",
@@ -57,13 +58,13 @@ def exporters() -> Iterator[list[str]]:
     body = exposition().encode()
 
     class Page(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:  # http.server's name
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), Page) for _ in range(2)]

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from exporter.errors import InputError
 from exporter.serve import sharding
 from exporter.serve.config import ConfigError, load_config
 from exporter.serve.discovery import Target, target_label
-from exporter.errors import InputError
 from exporter.serve.sharding import Shard, ShardedDiscovery, keep_targets, parse_shard, shard_of
-from tests.test_config import MINIMAL, write
 from tests.support.tools import REPO, require_tool
+from tests.test_config import MINIMAL, write
 
 CHART = REPO / "helm" / "stepbudget"
 

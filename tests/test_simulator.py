@@ -3,6 +3,7 @@ per-token observations, determinism, scenarios and the `simulate` verb's bad inp
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from exporter.errors import InputError
 from exporter.capacity.presets import GPUS, MODELS
+from exporter.errors import InputError
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from exporter.simulator.scenarios import ClosedLoopGroup
 
@@ -101,7 +102,10 @@ def test_step_time_grows_with_tokens_in_flight() -> None:
 
     short = single_stream_token_seconds(ServerSpec(), 256, 20)
     long = single_stream_token_seconds(ServerSpec(), 16384, 20)
-    gap = lambda times: sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2 - 1]  # noqa: E731
+
+    def gap(times: list[float]) -> float:
+        return sorted(b - a for a, b in itertools.pairwise(times))[len(times) // 2 - 1]
+
     extra_kv_bytes = (16384 - 256) * _kv_bytes_per_token_by_hand()
     peak = GPUS["h100-sxm"].peak_bandwidth_bytes_per_second
     # The KV term alone at any efficiency between 0.4 and 1.0 of the peak:
@@ -208,7 +212,7 @@ def test_bad_scenarios_name_what_and_where(document: dict, message: str) -> None
 
 def _stepbudget(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "exporter.cli", *args], capture_output=True, text=True,
-                          timeout=60, **kwargs)  # type: ignore[call-overload]
+                          timeout=60, **kwargs)  # type: ignore[call-overload]  # kwargs: any subprocess.run keyword
 
 
 @pytest.mark.parametrize("args, message", [

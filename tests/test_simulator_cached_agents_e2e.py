@@ -22,8 +22,8 @@ steady state, and are not held to the 10%.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 

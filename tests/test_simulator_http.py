@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import requests
@@ -106,7 +107,7 @@ def test_calibrate_url_measures_the_simulated_step(idle_server: ServerHandle) ->
     the simulator's lone-stream step times (the same request run in simulated time)."""
     contexts = (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, calibrate.DEFAULT_LONG_CONTEXT_TOKENS)
     measured = calibrate.measure_contexts(idle_server.url, "sim/qwen", contexts, 32, timeout_seconds=TIMEOUT)
-    for measurement, context in zip(measured, contexts):
+    for measurement, context in zip(measured, contexts, strict=True):
         simulated_gap = _simulated_lone_gap_seconds(idle_server.simulator.spec, context, 32)
         assert measurement.itl_seconds == pytest.approx(simulated_gap, rel=0.10)
     assert measured[1].itl_seconds > measured[0].itl_seconds  # 16k tokens of KV more per step
@@ -114,7 +115,7 @@ def test_calibrate_url_measures_the_simulated_step(idle_server: ServerHandle) ->
 
 def _simulated_lone_gap_seconds(spec: ServerSpec, context_tokens: int, output_tokens: int) -> float:
     times = single_stream_token_seconds(spec, context_tokens, output_tokens)
-    return statistics.median([b - a for a, b in zip(times[1:], times[2:])])
+    return statistics.median([b - a for a, b in itertools.pairwise(times[1:])])
 
 
 def test_calibrate_verb_against_the_simulator(idle_server: ServerHandle) -> None:
@@ -126,7 +127,7 @@ def test_calibrate_verb_against_the_simulator(idle_server: ServerHandle) -> None
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["agrees"] is True
-    for point, context in zip(report["points"], (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, 8192)):
+    for point, context in zip(report["points"], (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, 8192), strict=True):
         assert point["tokens_in_flight"] == context
         assert point["itl_seconds"] == pytest.approx(
             _simulated_lone_gap_seconds(idle_server.simulator.spec, context, 24), rel=0.10)

@@ -6,13 +6,14 @@ reconstruction of vLLM's own declarations (tests/data/vllm_reference/, see its R
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.serve.engines import read_page
 from exporter.errors import InputError
+from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario
 
 REFERENCE = Path(__file__).parent / "data" / "vllm_reference" / "vllm_v1_RECONSTRUCTED_single_process.txt"
@@ -87,7 +88,7 @@ def test_page_values_are_the_engines_counts() -> None:
     assert values[("vllm:kv_cache_usage_perc", base)] == pytest.approx(_last_step_blocks(sim) / sim.num_gpu_blocks)
     assert values[("vllm:num_requests_running", base)] == sim.steps[-1].running
     assert values[("vllm:iteration_tokens_total_count", base)] == sim.step_count
-    finished = values[("vllm:request_success_total", tuple(sorted(base + (("finished_reason", "stop"),))))]
+    finished = values[("vllm:request_success_total", tuple(sorted((*base, ("finished_reason", "stop")))))]
     in_flight_output = sum(r.output_tokens for r in list(sim.running) + list(sim.waiting))
     assert values[("vllm:generation_tokens_total", base)] == pytest.approx(
         values[("vllm:request_generation_tokens_sum", base)] + in_flight_output)
@@ -121,5 +122,5 @@ def test_versions_use_their_names_and_the_adapter_reads_each(version: str, usage
 
 
 def test_unknown_version_is_bad_input() -> None:
-    with pytest.raises(InputError, match="known: latest, 0.33, 0.23, 0.11, 0.10, 0.8"):
+    with pytest.raises(InputError, match=re.escape("known: latest, 0.33, 0.23, 0.11, 0.10, 0.8")):
         Simulator(ServerSpec(vllm_version="0.5"))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.serve.engines import read_page
 from exporter.errors import InputError
+from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from tests.test_simulator import _blocks_by_hand, _step
 from tests.test_simulator_page import _structure
@@ -119,7 +119,7 @@ def test_the_page_counters_are_the_engines_truth_in_the_agents_cached_scenario()
     sim = Simulator(ServerSpec(), load_scenario("agents-cached"), record_steps=True)
     requests = []
     submit = sim.submit
-    sim.submit = lambda *a, **k: requests.append(submit(*a, **k)) or requests[-1]  # type: ignore[method-assign]
+    sim.submit = lambda *a, **k: requests.append(submit(*a, **k)) or requests[-1]  # type: ignore[method-assign]  # records each submitted request
     sim.run_until(60.0)
     steps = sim.steps
     assert steps is not None and sim.spec.vllm_version == "0.33"
@@ -188,7 +188,7 @@ def test_a_scenario_sessions_cached_prefix_stays_on_its_engine() -> None:
     sim = Simulator(ServerSpec(data_parallel_size=2), scenario)
     requests = []
     submit = sim.submit
-    sim.submit = lambda *a, **k: requests.append(submit(*a, **k)) or requests[-1]  # type: ignore[method-assign]
+    sim.submit = lambda *a, **k: requests.append(submit(*a, **k)) or requests[-1]  # type: ignore[method-assign]  # records each submitted request
     sim.run_until(60.0)
     engines_of = {}
     for request in requests:

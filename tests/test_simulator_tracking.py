@@ -13,23 +13,24 @@ prediction_error_ratio is taken against the measured mean.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import pytest
 from prometheus_client import generate_latest
 
 from exporter.capacity import calibrate, model
+from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.serve.collector import make_registry
 from exporter.serve.config import Deployment, config_from_mapping
-from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.serve.discovery import Target
 from exporter.serve.engines import read_page
 from exporter.serve.reading import Reading, derive_reading
+from exporter.serve.window import compute_window
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerSpec, Simulator, load_scenario
 from exporter.simulator.engine import single_stream_token_seconds
-from exporter.serve.window import compute_window
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15
@@ -43,7 +44,7 @@ def _calibration() -> model.Calibration:
     measurements = []
     for context in (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, calibrate.DEFAULT_LONG_CONTEXT_TOKENS):
         times = single_stream_token_seconds(SPEC, context, calibrate.DEFAULT_OUTPUT_TOKENS)
-        gaps = tuple(later - earlier for earlier, later in zip(times, times[1:]))
+        gaps = tuple(later - earlier for earlier, later in itertools.pairwise(times))
         measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
     return model.calibrate(calibrate.points_from_measurements(setup, measurements))
 
@@ -67,7 +68,7 @@ class Poll:
     agent_prefill_in_window: bool
 
 
-@lru_cache(maxsize=None)
+@cache
 def _run(scenario: str, until_seconds: float) -> tuple[tuple[Poll, ...], Deployment]:
     deployment = _deployment()
     target = Target(deployment="pool", url="http://127.0.0.1:8000/metrics", target="127.0.0.1:8000")
@@ -109,7 +110,7 @@ def _tracking_errors(polls: tuple[Poll, ...]) -> list[tuple[float, float]]:
 def test_calibration_from_one_stream_fits() -> None:
     calibration = _calibration()
     assert calibration.agrees
-    for point, fitted in zip(calibration.points, calibration.fitted_seconds):
+    for point, fitted in zip(calibration.points, calibration.fitted_seconds, strict=True):
         assert fitted == pytest.approx(point.itl_seconds, rel=0.02)
     # The simulated server pays a per-step launch/scheduling cost; the fit finds one.
     assert 0 < calibration.step_overhead_seconds < 0.005
@@ -144,11 +145,11 @@ def test_prefill_burst_is_interference_not_memory() -> None:
     polls, deployment = _run("prefill-burst", 300.0)
     budget = deployment.step_budget_seconds
     scenario = load_scenario("prefill-burst")
-    start, stop = scenario.groups[1].start_seconds, scenario.groups[1].stop_seconds  # type: ignore[union-attr]
+    start, stop = scenario.groups[1].start_seconds, scenario.groups[1].stop_seconds  # type: ignore[union-attr]  # groups[1] is the burst, a PoissonGroup
     assert stop is not None
     memory = [p.reading.predicted_memory_step_seconds for p in polls]
     assert all(m is not None and m <= budget for m in memory)
-    assert max(memory) / min(memory) < 1.25  # type: ignore[type-var,operator]
+    assert max(memory) / min(memory) < 1.25  # type: ignore[type-var,operator]  # every poll in this window has a measurement
     for poll in polls[1:]:
         measured = poll.reading.measured_step_seconds
         assert measured is not None
@@ -163,8 +164,8 @@ def test_prefill_burst_is_interference_not_memory() -> None:
 def test_overload_preempts_and_the_daemon_exports_it() -> None:
     polls, deployment = _run("overload", 60.0)
     preemptions = [p.reading.preemptions_total for p in polls]
-    assert preemptions[0] is not None and preemptions == sorted(preemptions)  # type: ignore[type-var]
-    assert preemptions[-1] > preemptions[1] > 0  # type: ignore[operator]
+    assert preemptions[0] is not None and preemptions == sorted(preemptions)  # type: ignore[type-var]  # every reading is up: no None
+    assert preemptions[-1] > preemptions[1] > 0  # type: ignore[operator]  # every reading is up: no None
     assert max(p.reading.kv_cache_usage_ratio or 0.0 for p in polls) > 0.95
     last = polls[-1].reading
     page = generate_latest(make_registry(lambda: [last], [deployment])).decode()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
-import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -26,7 +26,7 @@ import pytest
 from benchmarks.fleet import Fleet
 from exporter.serve.config import config_from_mapping
 from exporter.serve.discovery import Discovery
-from exporter.serve.poller import HttpFetcher, PollResult, Poller
+from exporter.serve.poller import HttpFetcher, Poller, PollResult
 
 TARGETS = 200
 FAILING_EVERY = 4  # target i fails when i % 4 == 0: a quarter of the fleet

@@ -27,7 +27,8 @@ EDGES = ("0.01", "0.025", "0.05")
 def page(buckets: list[float], itl_sum: float, prompt: float, steps: float, edges: tuple[str, ...] = EDGES) -> Snapshot:
     """A vLLM page with an ITL histogram (cumulative `buckets`, last is +Inf) and two counters."""
     labels = 'engine="0",model_name="m"'
-    lines = [f'vllm:inter_token_latency_seconds_bucket{{{labels},le="{le}"}} {count}' for le, count in zip(edges + ("+Inf",), buckets)]
+    lines = [f'vllm:inter_token_latency_seconds_bucket{{{labels},le="{le}"}} {count}'
+             for le, count in zip((*edges, "+Inf"), buckets, strict=True)]
     lines += [
         f"vllm:inter_token_latency_seconds_count{{{labels}}} {buckets[-1]}",
         f"vllm:inter_token_latency_seconds_sum{{{labels}}} {itl_sum}",
@@ -127,14 +128,15 @@ def test_quantile_edge_cases_match_promql() -> None:
 
 @pytest.mark.parametrize(
     "before, after",
-    [([10, 30, 40, 40], [15, 75, 90, 90]), ([0, 0, 0, 0], [8, 8, 8, 8]), ([0, 0, 0, 0], [0, 1, 1, 10]), ([1, 2, 3, 4], [1, 2, 9, 12])],
+    [([10, 30, 40, 40], [15, 75, 90, 90]), ([0, 0, 0, 0], [8, 8, 8, 8]), ([0, 0, 0, 0], [0, 1, 1, 10]),
+     ([1, 2, 3, 4], [1, 2, 9, 12])],
 )
 def test_median_agrees_with_real_promql(tmp_path: Path, before: list[float], after: list[float]) -> None:
     """The same two polls in Prometheus's own engine (promtool): histogram_quantile over the deltas."""
     window = compute_window(page(before, 1.0, 0, 0), page(after, 2.6, 0, 1))
     series = "\n".join(
         f"      - series: 'itl_bucket{{le=\"{le}\"}}'\n        values: '{b} {a}'"
-        for le, b, a in zip(EDGES + ("+Inf",), before, after)
+        for le, b, a in zip((*EDGES, "+Inf"), before, after, strict=True)
     )
     (tmp_path / "rules.yaml").write_text("groups: []\n")
     (tmp_path / "test.yaml").write_text(
@@ -155,7 +157,8 @@ def test_median_agrees_with_real_promql(tmp_path: Path, before: list[float], aft
             """
         ).format(series=series, value=window.measured_step_median_seconds)
     )
-    result = subprocess.run([require_tool("promtool"), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([require_tool("promtool"), "test", "rules", "test.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -164,8 +167,9 @@ def _histogram(edges: list[float], increments: list[int]) -> Histogram:
     for step in increments:
         running += step
         counts.append(running)
-    buckets = tuple(zip(edges + [float("inf")], counts))
-    return Histogram(buckets=buckets, count=running, sum=sum(e * i for e, i in zip(edges + [edges[-1] * 2], increments)))
+    buckets = tuple(zip([*edges, float("inf")], counts, strict=True))
+    total = sum(e * i for e, i in zip([*edges, edges[-1] * 2], increments, strict=True))
+    return Histogram(buckets=buckets, count=running, sum=total)
 
 
 @settings(max_examples=200, deadline=None)

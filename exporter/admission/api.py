@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from exporter.admission.book import (
     MAX_REQUEST_TOKENS,

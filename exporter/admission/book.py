@@ -8,8 +8,9 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from exporter.errors import InputError
 from exporter.suggest import close_names
@@ -214,7 +215,7 @@ class AdmissionBook:
                 state.eligible = False
                 self._version += 1
 
-    def sync(self, measurements: Iterable["TargetMeasurement"], unusable: Iterable[tuple[str, str]]) -> None:
+    def sync(self, measurements: Iterable[TargetMeasurement], unusable: Iterable[tuple[str, str]]) -> None:
         """One whole poll: reconcile the measured targets, suspend the unusable ones, forget the
         targets discovery no longer lists (and their admissions)."""
         measured = list(measurements)
@@ -317,7 +318,8 @@ class AdmissionBook:
             raise InputError("give either 'deployment' or 'pool', not both")
         if request.deployment is not None:
             if request.deployment not in self._policies:
-                raise InputError(f"unknown deployment {request.deployment!r}{close_names(request.deployment, self._policies)}; "
+                suggestion = close_names(request.deployment, self._policies)
+                raise InputError(f"unknown deployment {request.deployment!r}{suggestion}; "
                                  f"known: {', '.join(self._policies)}")
             return request.deployment, self._pool_of_deployment(request.deployment)
         if self.pools is None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_TIMEOUT_SECONDS = 1.0
@@ -64,7 +65,7 @@ class AdmissionResult:
         return self.decision == "admitted"
 
     @classmethod
-    def from_json(cls, body: dict[str, Any]) -> "AdmissionResult":
+    def from_json(cls, body: dict[str, Any]) -> AdmissionResult:
         names = cls.__dataclass_fields__
         return cls(**{name: value for name, value in body.items() if name in names})
 
@@ -141,7 +142,7 @@ class AdmissionClient:
             self._connections.clear()
         self._local = threading.local()
 
-    def __enter__(self) -> "AdmissionClient":
+    def __enter__(self) -> AdmissionClient:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

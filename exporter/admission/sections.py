@@ -3,7 +3,8 @@ their checks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from exporter.admission.api import read_token_file
 from exporter.admission.book import Pools

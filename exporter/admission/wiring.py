@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from exporter.admission.api import AdmissionApi, ApiResponse, read_token_file
 from exporter.admission.book import (
@@ -29,7 +30,8 @@ def api_from_config(config: Config, *, clock: Callable[[], float] = time.monoton
     """The admission API for a daemon config, or None when `admission.enabled` is off."""
     if not admission_enabled(config):
         return None
-    return AdmissionApi(book_from_config(config, clock=clock), read_token_file(config.sections["admission"]["token_file"]))
+    token = read_token_file(config.sections["admission"]["token_file"])
+    return AdmissionApi(book_from_config(config, clock=clock), token)
 
 
 def book_from_config(config: Config, *, clock: Callable[[], float] = time.monotonic,

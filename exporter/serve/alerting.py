@@ -19,21 +19,26 @@ daemon dies; a cleared alert is posted with endsAt = now and re-posted for RESOL
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 import structlog
 
+from exporter.errors import InputError
 from exporter.serve.alert_rules import AlertRule, load_alert_rules
 from exporter.serve.config import Alerting
-from exporter.errors import InputError
 from exporter.serve.reading import Reading
+
+if TYPE_CHECKING:
+    from exporter.serve.poller import PollResult
 
 log = structlog.get_logger("stepbudget.alerting")
 
@@ -58,7 +63,7 @@ class History:
         if len(self.preemptions) < 2:
             return None
         values = [value for _, value in self.preemptions]
-        return sum(b - a if b >= a else b for a, b in zip(values, values[1:]))
+        return sum(b - a if b >= a else b for a, b in itertools.pairwise(values))
 
 
 def _over(value: float | None, limit: float | None) -> float | None:
@@ -119,9 +124,9 @@ def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
     rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
     names = {rule.name for rule in rules}
     if names != set(CONDITIONS):
-        raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in exporter/serve/alerting.py: "
-                         f"{sorted(names - set(CONDITIONS)) or 'none'}; conditions without an alert in the file: "
-                         f"{sorted(set(CONDITIONS) - names) or 'none'}")
+        raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in "
+                         f"exporter/serve/alerting.py: {sorted(names - set(CONDITIONS)) or 'none'}; "
+                         f"conditions without an alert in the file: {sorted(set(CONDITIONS) - names) or 'none'}")
     return rules
 
 
@@ -173,7 +178,7 @@ def _with_page_for(rules: Iterable[AlertRule], for_seconds: float | None) -> tup
 
 
 def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class AlertLoop:
@@ -199,9 +204,9 @@ class AlertLoop:
     def enabled(self) -> bool:
         return bool(self._urls)
 
-    def on_poll(self, result: object) -> None:
+    def on_poll(self, result: PollResult) -> None:
         """Poller listener."""
-        self.evaluate(getattr(result, "readings"), self._clock())
+        self.evaluate(result.readings, self._clock())
 
     def evaluate(self, readings: Sequence[Reading], now: float) -> list[dict[str, object]]:
         """Advance every alert's state to `now`; post what is due; return what was posted."""
@@ -281,7 +286,7 @@ class AlertLoop:
         for url in self._urls:
             try:
                 self._post(url, alerts, self._timeout)
-            except Exception as error:  # noqa: BLE001 - Alertmanager down is logged, never fatal
+            except Exception as error:  # Alertmanager down is logged, never fatal
                 log.warning("alertmanager_post_failed", url=url, alerts=len(alerts),
                             reason=f"{type(error).__name__}: {str(error)[:200]}")
 

@@ -8,11 +8,13 @@ readings from the export.
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
@@ -70,7 +72,8 @@ DNS_WORKERS = 4
 _DNS_SLOTS = threading.BoundedSemaphore(DNS_WORKERS)
 
 
-def resolve_addresses(name: str, port: int, timeout_seconds: float, resolver: Resolver = socket.getaddrinfo) -> list[str]:
+def resolve_addresses(name: str, port: int, timeout_seconds: float,
+                      resolver: Resolver = socket.getaddrinfo) -> list[str]:
     """Every distinct IP `name` resolves to (a headless Service gives one per ready pod), sorted."""
     if not _DNS_SLOTS.acquire(timeout=timeout_seconds):
         raise TimeoutError(f"DNS lookup of {name!r}: all {DNS_WORKERS} resolver workers are stuck")
@@ -80,7 +83,7 @@ def resolve_addresses(name: str, port: int, timeout_seconds: float, resolver: Re
     def lookup() -> None:
         try:
             outcome["infos"] = resolver(name, port, 0, socket.SOCK_STREAM)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
+        except BaseException as error:  # handed to the caller
             outcome["error"] = error
         finally:
             _DNS_SLOTS.release()
@@ -140,7 +143,7 @@ def _split_selector(selector: str) -> list[str]:
             current = ""
         else:
             current += char
-    return [term for term in terms + [current] if term.strip()]
+    return [term for term in [*terms, current] if term.strip()]
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,8 @@ class Discovery:
                  kubernetes_client_factory: Callable[[str | None, float], Any] = kubernetes_client) -> None:
         self._deployments = tuple(deployments)
         # Static targets never change: built once, not at every poll.
-        self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls] for d in self._deployments)
+        self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls]
+                             for d in self._deployments)
         self._timeout_seconds = timeout_seconds
         self._resolver = resolver
         self._client_factory = kubernetes_client_factory
@@ -195,12 +199,14 @@ class Discovery:
 
     def discover(self) -> list[Target]:
         targets: list[Target] = []
-        for deployment, static in zip(self._deployments, self._static):
+        for deployment, static in zip(self._deployments, self._static, strict=True):
             targets += static
             if deployment.dns is not None:
-                targets += self._guarded(deployment, "dns", lambda d=deployment: self._dns(d.name, d.dns))
+                targets += self._guarded(deployment, "dns",
+                                         functools.partial(self._dns, deployment.name, deployment.dns))
             if deployment.kubernetes is not None:
-                targets += self._guarded(deployment, "kubernetes", lambda d=deployment: self._kubernetes(d.name, d.kubernetes))
+                targets += self._guarded(deployment, "kubernetes",
+                                         functools.partial(self._kubernetes, deployment.name, deployment.kubernetes))
         unique: dict[tuple[str, str], Target] = {}
         for target in targets:
             unique.setdefault(target.key, target)
@@ -210,7 +216,7 @@ class Discovery:
         key = (deployment.name, source)
         try:
             found = lookup()
-        except Exception as error:  # noqa: BLE001 - any discovery failure keeps the last good list
+        except Exception as error:  # any discovery failure keeps the last good list
             kept = self._last.get(key, [])
             reason = f"{type(error).__name__}: {error}"[:300]
             if self._last_error.get(key) != reason:  # once per change, not once per poll

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import requests
@@ -104,7 +105,8 @@ def read_body(response: requests.Response, deadline: float, limit: int,
     for chunk in response.iter_content(CHUNK_BYTES):
         size += len(chunk)
         if size > limit:
-            raise QueryError(f"answer over {limit} bytes (raise targets.prometheus.max_response_bytes or narrow the selector)")
+            raise QueryError(f"answer over {limit} bytes "
+                             "(raise targets.prometheus.max_response_bytes or narrow the selector)")
         if monotonic() > deadline:
             raise QueryError("answer not complete within the timeout")
         chunks.append(chunk)
@@ -129,7 +131,8 @@ def decode_answer(status: int, body: bytes) -> list[dict[str, Any]]:
     data = payload.get("data") or {}
     if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
         raise QueryError(f"unexpected answer: resultType {data.get('resultType')!r}")
-    return data["result"]
+    result: list[dict[str, Any]] = data["result"]
+    return result
 
 
 def group_by_target(result: list[dict[str, Any]]) -> dict[ScrapeKey, ScrapedTarget]:
@@ -213,7 +216,7 @@ class PrometheusSource:
         started = self._monotonic()
         try:
             scraped = group_by_target(self._ask())
-        except Exception as error:  # noqa: BLE001 - QueryError, connection errors, anything: targets go down
+        except Exception as error:  # QueryError, connection errors, anything: targets go down
             reason = getattr(error, "reason", None)
             reason = reason if isinstance(reason, str) else _connection_reason(error)
             return SourceResult(self._all_down(f"prometheus {reason}"), self._monotonic() - started)
@@ -281,7 +284,7 @@ class PrometheusSource:
         except PageError as error:
             self._read_at.pop(key, None)
             return TargetOutcome(target, error=str(error))
-        except Exception as error:  # noqa: BLE001 - a reader bug fails this target, never the poll
+        except Exception as error:  # a reader bug fails this target, never the poll
             self._read_at.pop(key, None)
             return TargetOutcome(target, error=f"unreadable series: {type(error).__name__}: {error}"[:300])
         if at is not None:

@@ -35,7 +35,7 @@ class Snapshot:
     engine: str
     requests_running: float | None = None
     requests_waiting: float | None = None
-    kv_cache_usage_ratio: float | None = None  # 0–1
+    kv_cache_usage_ratio: float | None = None  # 0-1
     kv_cache_capacity_tokens: float | None = None
     # Blocks in this engine's KV pool (vLLM: num_gpu_blocks, which the front end sums over
     # data-parallel engines, divided back). Hybrid-KV models need it: there usage counts blocks

@@ -73,7 +73,7 @@ def _went_backwards(previous: Snapshot, current: Snapshot) -> list[str]:
         if now_h.count < before_h.count or now_h.sum < before_h.sum - _SUM_WOBBLE * max(1.0, abs(before_h.sum)):
             backwards.append("inter_token_latency")
         elif _same_edges(before_h, now_h) and any(
-            now < before for (_, before), (_, now) in zip(before_h.buckets, now_h.buckets)
+            now < before for (_, before), (_, now) in zip(before_h.buckets, now_h.buckets, strict=True)
         ):
             backwards.append("inter_token_latency buckets")
     return backwards
@@ -122,7 +122,7 @@ def _step_times(previous: Histogram, current: Histogram, notes: list[str]) -> tu
     if not _same_edges(previous, current):
         notes.append("ITL bucket edges changed between polls: no median this window")
         return mean, None, observations
-    deltas = tuple((le, now - before) for (le, now), (_, before) in zip(current.buckets, previous.buckets))
+    deltas = tuple((le, now - before) for (le, now), (_, before) in zip(current.buckets, previous.buckets, strict=True))
     return mean, histogram_quantile(0.5, deltas), observations
 
 
@@ -193,7 +193,7 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float 
         notes.append("vllm:iteration_tokens_total disagrees with the computed prompt tokens (a release that "
                      "counts cache hits in it?): predicting at the mean prefill")
         return None
-    bucket_deltas = [(le, now - before) for (le, now), (_, before) in zip(now_h.buckets, before_h.buckets)]
+    bucket_deltas = [(le, now - before) for (le, now), (_, before) in zip(now_h.buckets, before_h.buckets, strict=True)]
     total_tokens = (decode_per_step + prefill_per_step) * steps
     tokens = step_tokens_in_buckets(bucket_deltas, total_tokens, decode_per_step)
     if tokens is None:
@@ -233,13 +233,13 @@ def step_tokens_in_buckets(cumulative: list[tuple[float, float]], total_tokens: 
             values.append(low)
         else:
             values.append((low + high) / 2.0)
-    residual = total_tokens - sum(value * steps for value, (_, _, steps) in zip(values, edges))
+    residual = total_tokens - sum(value * steps for value, (_, _, steps) in zip(values, edges, strict=True))
     if residual > 0:
         room = [(math.inf if math.isinf(high) else high - value) * steps
-                for value, (_, high, steps) in zip(values, edges)]
+                for value, (_, high, steps) in zip(values, edges, strict=True)]
     else:
         room = [max(0.0, value - max(low, typical_tokens if value >= typical_tokens else low)) * steps
-                for value, (low, _, steps) in zip(values, edges)]
+                for value, (low, _, steps) in zip(values, edges, strict=True)]
     unbounded = [i for i, r in enumerate(room) if math.isinf(r)]
     if unbounded:
         share = {i: 1.0 / len(unbounded) for i in unbounded}
@@ -247,7 +247,7 @@ def step_tokens_in_buckets(cumulative: list[tuple[float, float]], total_tokens: 
         available = sum(room)
         share = {i: (r / available if available > 0 else 0.0) for i, r in enumerate(room)}
     adjusted = [value + residual * share.get(i, 0.0) / edges[i][2] for i, value in enumerate(values)]
-    return [(value, steps) for value, (_, _, steps) in zip(adjusted, edges)]
+    return [(value, steps) for value, (_, _, steps) in zip(adjusted, edges, strict=True)]
 
 
 def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:

@@ -39,7 +39,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=131072)
-    parser.add_argument("--kv-cache-dtype", default=None, help="auto (16-bit) or fp8 (default: the scenario's, else auto)")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="auto (16-bit) or fp8 (default: the scenario's, else auto)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
 
 

@@ -31,16 +31,24 @@ here reads a wall clock: `run_until(t)` is deterministic for a seed, and the HTT
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from exporter.errors import InputError
 from exporter.capacity.presets import get_gpu, get_model_preset
-from exporter.simulator.hardware import HardwareTruth, ModelBytes, ScheduledSequence, StepPhysics, model_bytes, num_gpu_blocks
+from exporter.errors import InputError
+from exporter.simulator.hardware import (
+    HardwareTruth,
+    ModelBytes,
+    ScheduledSequence,
+    StepPhysics,
+    model_bytes,
+    num_gpu_blocks,
+)
 from exporter.simulator.scenarios import ClosedLoopGroup, Group, PoissonGroup, Scenario, ScriptedGroup
 from exporter.simulator.vllm_metrics import EngineCounters, VllmPage
 
@@ -96,8 +104,8 @@ class SimRequest:
     user: int | None = None
     leave_at_seconds: float | None = None
     finish_reason_at_max: str = "length"  # "stop" for scenario requests: they model a natural end
-    on_token: Callable[["SimRequest"], None] | None = None
-    on_finish: Callable[["SimRequest"], None] | None = None
+    on_token: Callable[[SimRequest], None] | None = None
+    on_finish: Callable[[SimRequest], None] | None = None
     cached_prefix_tokens: int = 0  # of the prompt, already in this engine's prefix cache
     engine: int = 0  # index into Simulator.engines
     output_tokens: int = 0
@@ -300,7 +308,9 @@ class Engine:
     def _release_leavers(self) -> None:
         if not self.leaving:
             return
-        for request in [r for r in self.leaving if r.leave_at_seconds is not None and r.leave_at_seconds <= self.now_seconds]:
+        leaving_now = [r for r in self.leaving
+                       if r.leave_at_seconds is not None and r.leave_at_seconds <= self.now_seconds]
+        for request in leaving_now:
             if not request.finished:
                 self.finish(request, "stop")
                 self.update_gauges()
@@ -486,13 +496,13 @@ class Simulator:
         if isinstance(group, ClosedLoopGroup):
             for user in range(group.users):
                 self._schedule_arrival(group.first_arrival_seconds(user, self._rng),
-                                       lambda g=group, u=user: self._closed_loop_request(g, u))
+                                       functools.partial(self._closed_loop_request, group, user))
         elif isinstance(group, PoissonGroup):
             self._schedule_arrival(group.start_seconds + self._rng.expovariate(group.rate_per_second),
-                                   lambda g=group: self._poisson_request(g))
+                                   functools.partial(self._poisson_request, group))
         else:
             for _ in range(group.count):
-                self._schedule_arrival(group.at_seconds, lambda g=group: self._add_scenario_request(g, None))
+                self._schedule_arrival(group.at_seconds, functools.partial(self._add_scenario_request, group, None))
 
     def _schedule_arrival(self, at_seconds: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._arrivals, (at_seconds, next(self._arrival_order), action))
@@ -509,12 +519,20 @@ class Simulator:
         self._schedule_arrival(self.now_seconds + self._rng.expovariate(group.rate_per_second),
                                lambda: self._poisson_request(group))
 
+    def _think_then_ask_again(self, group: ClosedLoopGroup, user: int, finished: SimRequest) -> None:
+        """A closed-loop user's answer is done: the next request after the group's think time.
+
+        An `on_finish` callback: `finish` calls it at the finishing time, so `now_seconds` is `finished`'s end.
+        """
+        self._schedule_arrival(self.now_seconds + group.think_seconds,
+                               functools.partial(self._closed_loop_request, group, user))
+
     def _add_scenario_request(self, group: Group, user: int | None) -> None:
-        prompt, output = self.spec.fit_context(group.prompt_tokens.draw(self._rng), group.output_tokens.draw(self._rng))
+        prompt, output = self.spec.fit_context(group.prompt_tokens.draw(self._rng),
+                                               group.output_tokens.draw(self._rng))
         on_finish = None
         if isinstance(group, ClosedLoopGroup) and user is not None:
-            on_finish = lambda req, g=group, u=user: self._schedule_arrival(  # noqa: E731
-                req.finished_seconds + g.think_seconds, lambda: self._closed_loop_request(g, u))
+            on_finish = functools.partial(self._think_then_ask_again, group, user)
         leave_at = group.leave_at_seconds if isinstance(group, ScriptedGroup) else None
         self.submit(prompt, output, group=group.name, user=user, leave_at_seconds=leave_at,
                     finish_reason_at_max="stop", on_finish=on_finish,
@@ -535,7 +553,8 @@ class Simulator:
         if prompt_tokens + max_tokens > self.spec.max_model_len:
             raise InputError(
                 f"This model's maximum context length is {self.spec.max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).")
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion).")
         if not 0 <= cached_prefix_tokens <= prompt_tokens:
             raise InputError(f"cached prefix must be 0 to {prompt_tokens} tokens, got {cached_prefix_tokens}")
         request = SimRequest(f"cmpl-{next(self._ids)}", prompt_tokens, max_tokens,

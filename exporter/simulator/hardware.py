@@ -22,30 +22,59 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-
 from typing import Protocol
 
-from exporter.errors import InputError
 from exporter.capacity.presets import Gpu
+from exporter.errors import InputError
 
 
 class ArchitectureData(Protocol):
-    """The preset fields the simulator reads (exporter.capacity.presets.MODELS entries satisfy it)."""
+    """The preset fields the simulator reads (exporter.capacity.presets.MODELS entries satisfy it).
 
-    name: str
-    layers: int
-    attention_heads: int
-    kv_heads: int
-    head_dim: int
-    params: float
-    attention_kind: str
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    sliding_window: int | None
-    sliding_window_layers: int
-    experts: int
-    experts_per_token: int
-    routed_expert_params: float
+    Read-only properties: a frozen dataclass satisfies them, and the simulator never writes them.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def attention_heads(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def params(self) -> float: ...
+
+    @property
+    def attention_kind(self) -> str: ...
+
+    @property
+    def kv_lora_rank(self) -> int: ...
+
+    @property
+    def qk_rope_head_dim(self) -> int: ...
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+    @property
+    def sliding_window_layers(self) -> int: ...
+
+    @property
+    def experts(self) -> int: ...
+
+    @property
+    def experts_per_token(self) -> int: ...
+
+    @property
+    def routed_expert_params(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +123,8 @@ class ModelBytes:
         return self.kv_bytes_per_token_full_layers + self.kv_bytes_per_token_window_layers
 
 
-def model_bytes(arch: ArchitectureData, weight_bytes_per_param: float = 2.0, kv_bytes_per_element: float = 2.0) -> ModelBytes:
+def model_bytes(arch: ArchitectureData, weight_bytes_per_param: float = 2.0,
+                kv_bytes_per_element: float = 2.0) -> ModelBytes:
     """Count the bytes of weights and KV from architecture data (single GPU, no tensor parallel)."""
     if arch.attention_kind == "mla":
         # MLA caches one compressed latent plus the rotary key per layer: no K/V pair, no heads.
@@ -163,8 +193,10 @@ class StepPhysics:
         """KV bytes a sequence holding `held_blocks` whole blocks reads (window layers capped)."""
         tokens = held_blocks * self.block_size_tokens
         window = self.model.sliding_window_tokens
-        window_tokens = tokens if window is None else min(tokens, math.ceil(window / self.block_size_tokens) * self.block_size_tokens)
-        return tokens * self.model.kv_bytes_per_token_full_layers + window_tokens * self.model.kv_bytes_per_token_window_layers
+        window_tokens = (tokens if window is None
+                         else min(tokens, math.ceil(window / self.block_size_tokens) * self.block_size_tokens))
+        return (tokens * self.model.kv_bytes_per_token_full_layers
+                + window_tokens * self.model.kv_bytes_per_token_window_layers)
 
     def weight_bytes_read(self, tokens_in_step: int) -> float:
         model = self.model

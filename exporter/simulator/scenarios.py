@@ -17,12 +17,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from exporter.errors import InputError
 from exporter.suggest import close_names
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,8 @@ class ScriptedGroup:
     cached_ratio: float = 0.0
 
 
-Group = Union[ClosedLoopGroup, PoissonGroup, ScriptedGroup]
-Spec = TypeVar("Spec")
+Group = ClosedLoopGroup | PoissonGroup | ScriptedGroup
+Spec = TypeVar("Spec", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,9 @@ class ScenarioSettings:
 
     def applied_to(self, spec: Spec) -> Spec:
         changes = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        return replace(spec, **changes)  # type: ignore[type-var]
+        return replace(spec, **changes)
 
-    def overridden_by(self, other: "ScenarioSettings") -> "ScenarioSettings":
+    def overridden_by(self, other: ScenarioSettings) -> ScenarioSettings:
         return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
                                 if getattr(other, f.name) is not None})
 
@@ -153,10 +156,12 @@ def builtin_scenarios() -> dict[str, Scenario]:
             "steady-chat plus two agent sessions re-sending ~100,000-token conversations, 99% from the prefix cache, "
             "for ~100-token tool calls (vLLM 0.33 page)",
             (_chats(), _cached_agents()),
-            ((0.0, "40 chat users and 2 agent sessions start; each agent turn computes only ~1,000 new prompt tokens"),),
+            ((0.0, "40 chat users and 2 agent sessions start; "
+                   "each agent turn computes only ~1,000 new prompt tokens"),),
             ScenarioSettings(vllm_version="0.33")),
         "overload": Scenario(
-            "overload", "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
+            "overload",
+            "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
             (ClosedLoopGroup("long-chat", 64, TokenCount(6000, 0.2), TokenCount(2000, 0.2), ramp_seconds=5.0),),
             ((0.0, "64 long-context users start: the cache fills and requests get preempted"),)),
     }

@@ -119,15 +119,15 @@ class PacedEngine:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "_SimulatorHTTPServer"
+    server: _SimulatorHTTPServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet by default
+    def log_message(self, format: str, *args: Any) -> None:  # quiet by default
         if self.server.access_log:
             super().log_message(format, *args)
 
     # --- GET ---------------------------------------------------------------------------
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+    def do_GET(self) -> None:  # http.server naming
         path = self.path.split("?", 1)[0]
         engine = self.server.engine
         if path == "/metrics":
@@ -145,14 +145,14 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/version":
             self._send_json(200, {"version": f"{engine.simulator.spec.vllm_version}-stepbudget-simulator"})
         else:
-            self._send_json(404, {"object": "error", "message": f"Not Found: {path}", "type": "NotFoundError", "code": 404})
+            self._not_found(path)
 
     # --- POST /v1/completions ------------------------------------------------------------
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         if path != "/v1/completions":
-            self._send_json(404, {"object": "error", "message": f"Not Found: {path}", "type": "NotFoundError", "code": 404})
+            self._not_found(path)
             return
         try:
             length = int(self.headers.get("Content-Length") or 0)
@@ -190,7 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._complete(request, events, name)
 
-    def _next_event(self, events: "queue.Queue[tuple[str, str | None]]") -> tuple[str, str | None] | None:
+    def _next_event(self, events: queue.Queue[tuple[str, str | None]]) -> tuple[str, str | None] | None:
         while not self.server.engine.stopping:
             try:
                 return events.get(timeout=_STREAM_POLL_SECONDS)
@@ -198,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
         return None
 
-    def _stream(self, request: SimRequest, events: "queue.Queue[tuple[str, str | None]]", name: str) -> None:
+    def _stream(self, request: SimRequest, events: queue.Queue[tuple[str, str | None]], name: str) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
@@ -234,7 +234,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
 
-    def _complete(self, request: SimRequest, events: "queue.Queue[tuple[str, str | None]]", name: str) -> None:
+    def _complete(self, request: SimRequest, events: queue.Queue[tuple[str, str | None]], name: str) -> None:
         reason: str | None = None
         while True:
             event = self._next_event(events)
@@ -252,6 +252,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, message: str, kind: str) -> None:
         self._send_json(status, {"object": "error", "message": message, "type": kind, "param": None, "code": status})
+
+    def _not_found(self, path: str) -> None:
+        """vLLM's 404 body."""
+        self._send_json(404, {"object": "error", "message": f"Not Found: {path}", "type": "NotFoundError", "code": 404})
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         self._send(status, json.dumps(payload).encode(), "application/json")
@@ -300,7 +304,7 @@ class ServerHandle:
         self._http.server_close()
         self._thread.join(timeout=5.0)
 
-    def __enter__(self) -> "ServerHandle":
+    def __enter__(self) -> ServerHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,21 +3,22 @@
 vLLM declares prometheus_client Counters/Gauges/Histograms in `vllm/v1/metrics/loggers.py`; the
 page is prometheus_client's text format (`_created` series included in single-process mode).
 Names, HELP strings, types, label names and default bucket edges below are copied from
-shared/reference/vllm_metrics/REPORT.md §a.2–a.5 (loggers.py @5b846bf6, buckets.py @139b1c3f and
+shared/reference/vllm_metrics/REPORT.md §a.2-a.5 (loggers.py @5b846bf6, buckets.py @139b1c3f and
 the older versions it lists); the "0.33" and "0.23" release lines from the genuine pages in
 shared/reference/vllm_metrics/genuine/ (FAMILIES.md). One page serves every data-parallel engine:
-each family carries one series per `engine`, as vLLM's single API server does. The simulator keeps its own plain-number counters (a step updates
-dozens of requests at once) and a custom collector turns them into prometheus_client families on a
-PRIVATE CollectorRegistry, so `generate_latest` renders them exactly like vLLM's own objects:
-counters get `_total` and a separate `_created` family, `le` values print as floats.
+each family carries one series per `engine`, as vLLM's single API server does. The simulator keeps
+its own plain-number counters (a step updates dozens of requests at once) and a custom collector
+turns them into prometheus_client families on a PRIVATE CollectorRegistry, so `generate_latest`
+renders them exactly like vLLM's own objects: counters get `_total` and a separate `_created`
+family, `le` values print as floats.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
@@ -205,9 +206,12 @@ CACHE_LABEL_DEFAULTS = {
 }
 
 _BASE_0_11 = _drop(_CURRENT, "request_tpot", "request_preemptions", "waiting_by_reason")
-_GENUINE_0_33 = _with_prompt_sources(
-    _replace(_CURRENT, "request_preemptions", _REQUEST_PREEMPTIONS_0_33),
-    _PROMPT_BY_SOURCE, _PROMPT_CACHED, _PROMPT_CACHED_BY_SOURCE) + (_PREFILL_KV_COMPUTED,)
+_GENUINE_0_33 = (
+    *_with_prompt_sources(
+        _replace(_CURRENT, "request_preemptions", _REQUEST_PREEMPTIONS_0_33),
+        _PROMPT_BY_SOURCE, _PROMPT_CACHED, _PROMPT_CACHED_BY_SOURCE),
+    _PREFILL_KV_COMPUTED,
+)
 
 VERSIONS: dict[str, VersionLayout] = {
     # the reconstruction of vLLM main (tests/data/vllm_reference; 0.12 and later): kv_cache_usage_perc
@@ -270,9 +274,10 @@ class HistogramValue:
     def cumulative(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         running = 0.0
-        for edge, count in zip(self.edges + (float("inf"),), self.counts):
+        for edge, count in zip((*self.edges, float("inf")), self.counts, strict=True):
             running += count
-            out.append((floatToGoString(edge), running))
+            # prometheus_client.utils has no annotations; it renders `le` exactly as vLLM's page does.
+            out.append((floatToGoString(edge), running))  # type: ignore[no-untyped-call]  # untyped upstream
         return out
 
 
@@ -330,7 +335,7 @@ class VllmPage:
         if self.engines and not self.layout.engine_label:
             raise InputError("this vLLM version's page has no engine label: it cannot show several engines")
         counters = EngineCounters(request_success={reason: 0.0 for reason in self.layout.finish_reasons})
-        for family in _CURRENT + (_TPOT_DEPRECATED, _PREFILL_KV_COMPUTED):
+        for family in (*_CURRENT, _TPOT_DEPRECATED, _PREFILL_KV_COMPUTED):
             if family.kind == "histogram":
                 counters.histograms[family.key] = HistogramValue(self._edges[family.buckets])
         self.engines[engine_index] = counters

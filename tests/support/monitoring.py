@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import yaml
 

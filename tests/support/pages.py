@@ -33,7 +33,11 @@ class VllmState:
 
 
 def _number(value: float) -> str:
-    return repr(float(value)) if value == value and abs(value) != float("inf") else ("NaN" if value != value else ("+Inf" if value > 0 else "-Inf"))
+    if value != value:
+        return "NaN"
+    if abs(value) == float("inf"):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
 
 
 def vllm_page(*states: VllmState) -> str:
@@ -91,8 +95,9 @@ def vllm_page(*states: VllmState) -> str:
     # engine's series (0.33.0 vllm/v1/engine/core_client.py l. 873-877).
     summed_blocks = sum(s.num_gpu_blocks for s in states)
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-           [("vllm:cache_config_info", {"block_size": str(s.block_size), "cache_dtype": s.cache_dtype, "engine": s.engine,
-                                        "num_gpu_blocks": str(summed_blocks), "gpu_memory_utilization": "0.9"}, 1.0)
+           [("vllm:cache_config_info", {"block_size": str(s.block_size), "cache_dtype": s.cache_dtype,
+                                            "engine": s.engine, "num_gpu_blocks": str(summed_blocks),
+                                            "gpu_memory_utilization": "0.9"}, 1.0)
             for s in states])
     return "\n".join(lines) + "\n"
 

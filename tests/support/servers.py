@@ -6,8 +6,9 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Any
 
 import pytest
 import requests
@@ -20,7 +21,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], object], timeout_seconds: float = 10.0, interval_seconds: float = 0.05) -> object:
+def wait_until(condition: Callable[[], object], timeout_seconds: float = 10.0,
+               interval_seconds: float = 0.05) -> object:
     """Poll `condition` until it returns something truthy; fail the test after the timeout.
 
     For waiting on real external processes (a server starting up), never for asserting speed.
@@ -52,12 +54,12 @@ def send_text(handler: BaseHTTPRequestHandler, body: bytes | str, status: int = 
 
 
 class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any) -> None:
         """A client hanging up early (what a size cap or a deadline does) is no error here."""
         import sys
 
         if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
-            super().handle_error(request, client_address)  # type: ignore[arg-type]
+            super().handle_error(request, client_address)
 
 
 class PageServer:
@@ -71,7 +73,7 @@ class PageServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 server.requests.append({"path": self.path, "client_port": str(self.client_address[1]),
                                         **{k.lower(): v for k, v in self.headers.items()}})
                 try:
@@ -79,7 +81,7 @@ class PageServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._httpd = _QuietServer((host, 0), Handler)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any, Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
 
 import structlog
 

@@ -16,6 +16,7 @@ time, each request asking the book before it is sent.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
@@ -119,7 +120,8 @@ class _Gateway:
             where = {"pool": "auto"} if self.pools else {"deployment": "chat"}
             decision = self.book.admit(AdmissionRequest(pending.prompt_tokens, pending.max_output_tokens, **where))
             if decision.admission is None:
-                pending.ask_again_at_seconds = self.now_seconds + (decision.retry_after_seconds or self.poll_interval_seconds)
+                wait_seconds = decision.retry_after_seconds or self.poll_interval_seconds
+                pending.ask_again_at_seconds = self.now_seconds + wait_seconds
                 return False
             target, admission_id = decision.admission.target, decision.admission.id
         if pending.group == "chat":
@@ -128,11 +130,11 @@ class _Gateway:
         request = self.sims[target].submit(
             pending.prompt_tokens, pending.max_output_tokens, arrival_seconds=self.now_seconds, group=pending.group,
             user=pending.user, leave_at_seconds=pending.leave_at_seconds, finish_reason_at_max="stop",
-            on_finish=lambda finished, p=pending, a=admission_id: self._finished(finished, p, a))
+            on_finish=functools.partial(self._finished, pending=pending, admission_id=admission_id))
         self.sent.append((pending, request, target))
         return True
 
-    def _finished(self, request: SimRequest, pending: _Pending, admission_id: str | None) -> None:
+    def _finished(self, request: SimRequest, *, pending: _Pending, admission_id: str | None) -> None:
         if self.book is not None and admission_id is not None:
             self.book.release(admission_id)
         if pending.user is not None:
@@ -178,7 +180,8 @@ def run_agents_join(mode: str, *, until_seconds: float = AGENTS_JOIN_SECONDS + 1
         gateway.schedule(at, gateway.chat_request(user, at))
     spec = sims[AGENTS_TARGET].spec
     for _ in range(agents.count):
-        prompt, output = spec.fit_context(agents.prompt_tokens.draw(gateway.rng), agents.output_tokens.draw(gateway.rng))
+        prompt, output = spec.fit_context(agents.prompt_tokens.draw(gateway.rng),
+                                          agents.output_tokens.draw(gateway.rng))
         gateway.schedule(agents.at_seconds, _Pending("agent", prompt, output, agents.at_seconds,
                                                      leave_at_seconds=agents.leave_at_seconds))
 

@@ -14,10 +14,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import requests
 import yaml
@@ -141,7 +142,7 @@ class RecordingServer:
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:  # http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 # Forward first: once a post is recorded, Alertmanager has answered it.
                 status, answer = recorder._forward(self.path, body, self.headers.get("Content-Type", ""))
@@ -152,7 +153,7 @@ class RecordingServer:
                 self.end_headers()
                 self.wfile.write(answer)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -234,7 +235,7 @@ def differences_besides_for(original: Any, copy: Any, where: str = "") -> list[s
     if isinstance(original, list) and isinstance(copy, list):
         if len(original) != len(copy):
             return [f"{where}: {len(original)} items vs {len(copy)}"]
-        return [difference for i, (a, b) in enumerate(zip(original, copy))
+        return [difference for i, (a, b) in enumerate(zip(original, copy, strict=True))
                 for difference in differences_besides_for(a, b, f"{where}[{i}]")]
     return [] if original == copy else [f"{where}: {original!r} vs {copy!r}"]
 
@@ -343,7 +344,7 @@ class DaemonHistory:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
 
-    def __enter__(self) -> "DaemonHistory":
+    def __enter__(self) -> DaemonHistory:
         self._thread = threading.Thread(target=self._run, name="e2e-daemon-history", daemon=True)
         self._thread.start()
         return self
