@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from exporter.capacity import model
-from exporter.capacity.deployment import ResolvedSetup
+from exporter.capacity.deployment import ResolvedSetup, fit_bounds
 from exporter.errors import InputError
 from exporter.capacity.model import Calibration, CalibrationPoint, ServingSetup
 from exporter.capacity.planner import add_setup_arguments, parse_positive_float, resolve_from_args
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         points = points_from_measurements(resolved.setup, measurements)
     else:
         points = offline_points(resolved.setup, args.itl)
-    calibration = model.calibrate(points)
+    calibration = model.calibrate(points, bounds=fit_bounds(resolved))
     if args.json:
         print(json.dumps(calibration_to_json(resolved, calibration, measurements), indent=2))
     else:
