@@ -935,10 +935,10 @@ def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) ->
     scaled = [[row[j] / scales[j] for j in range(width)] for row in rows]
     gram = [[sum(r[i] * r[j] for r in scaled) for j in range(width)] for i in range(width)]
     moments = [sum(r[i] * t for r, t in zip(scaled, targets)) for i in range(width)]
-    return [value / scale for value, scale in zip(_solve(gram, moments), scales)]
+    return [value / scale for value, scale in zip(solve_linear(gram, moments), scales)]
 
 
-def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+def solve_linear(matrix: list[list[float]], vector: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting; a singular system is an InputError."""
     size = len(vector)
     augmented = [row[:] + [value] for row, value in zip(matrix, vector)]

@@ -32,8 +32,10 @@ from exporter.config_validators import (
 )
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.errors import InputError
-from exporter.capacity.model import Architecture
+from exporter.capacity.model import Architecture, ServingSetup
 from exporter.capacity.presets import get_gpu
+from exporter.serve.online_calibration import SetupInUse
+from exporter.serve.online_calibration import Settings as OnlineSettings
 from exporter.serve.sharding import SHARD_SECTION
 
 # The public names; ConfigError, Key, REQUIRED, Section, Table, Where, LineDict and `section` are
@@ -129,11 +131,24 @@ TARGETS_KEYS: Table = {
                       "read the engines' series from Prometheus's query API instead of fetching pages "
                       "(each `instance` is a target; docs/scaling.md)"),
 }
+# Every key defaults to None so a deployment's section overrides `defaults` key by key; the built-in
+# defaults (in exporter.serve.online_calibration.Settings) apply where neither says.
+ONLINE_CALIBRATION_KEYS: Table = {
+    "enabled": Key(boolean, None, "fit the step's terms from the daemon's own windows (default true)"),
+    "history": Key(duration, None, "windows this far back are fitted (default 6h)"),
+    "holdout": Key(duration, None, "the most recent windows left out of the fit, so a sudden change shows as "
+                                    "prediction error first (default 30m)"),
+    "min_windows": Key(whole_positive, None, "the fit replaces the seed only with this many windows (default 30)"),
+    "prometheus_url": Key(url, None, "Prometheus holding this daemon's own series: the fit is seeded from "
+                                     "them at start-up (query_range over `history`)"),
+}
 DEFAULTS_KEYS: Table = {
     "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
     "headroom": Key(ratio, model.DEFAULT_HEADROOM, "share of each step's budget kept for decode (the rest for prompt chunks)"),
     "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY, "effective/peak memory bandwidth when not configured or calibrated"),
     "compute_efficiency": Key(ratio, model.DEFAULT_COMPUTE_EFFICIENCY, "effective/peak dense compute"),
+    "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
+                              "online calibration for every deployment (docs/operations.md)"),
 }
 DEPLOYMENT_KEYS: Table = {
     "name": Key(string, REQUIRED, "deployment name (the `deployment` label)"),
@@ -155,6 +170,8 @@ DEPLOYMENT_KEYS: Table = {
                        "where fitted (source `calibrated`)"),
     "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
     "headroom": Key(ratio, None, "overrides defaults.headroom"),
+    "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
+                              "overrides defaults.online_calibration key by key"),
     "kind": Key(choice(*SERVER_KINDS), "auto", "the servers' page format: auto, vllm, sglang, tgi"),
     "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
     "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
@@ -293,6 +310,16 @@ class Deployment:
     auth: Auth = field(default_factory=Auth)
     tls: Tls = field(default_factory=Tls)
     prometheus: PrometheusTargets | None = None
+    online_calibration: OnlineSettings | None = None
+    # The setup predictions use now: the seed until the online fit replaces it (exporter.serve.online_calibration).
+    setup_in_use: SetupInUse = field(default_factory=SetupInUse, compare=False, repr=False)
+
+    def predicting_setup(self) -> tuple[ServingSetup, str]:
+        """The setup to predict with and the source of its rates (`online` once the fit replaced the seed)."""
+        in_use = self.setup_in_use.get()
+        if in_use is None:
+            return self.resolved.setup, self.resolved.bandwidth_source
+        return in_use.setup, in_use.source
 
     @property
     def mode(self) -> str:
@@ -459,7 +486,20 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         kubernetes=KubernetesTargets(**targets["kubernetes"]) if targets["kubernetes"] else None,
         auth=deployment_auth, tls=deployment_tls,
         prometheus=_prometheus_targets(targets["prometheus"], deployment_auth, deployment_tls),
+        online_calibration=online_settings(raw["online_calibration"], defaults["online_calibration"]),
     )
+
+
+def online_settings(own: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None) -> OnlineSettings:
+    """A deployment's `online_calibration`, key by key over `defaults.online_calibration`."""
+    built_in = OnlineSettings()
+    values: dict[str, Any] = {}
+    for key, field_name in (("enabled", "enabled"), ("history", "history_seconds"), ("holdout", "holdout_seconds"),
+                            ("min_windows", "min_windows"), ("prometheus_url", "prometheus_url")):
+        chosen = next((section_[key] for section_ in (own, defaults) if section_ and section_[key] is not None),
+                      getattr(built_in, field_name))
+        values[field_name] = chosen
+    return OnlineSettings(**values)
 
 
 def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls) -> PrometheusTargets | None:
