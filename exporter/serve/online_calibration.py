@@ -8,8 +8,8 @@ StepBudgetPredictionDrift) for `holdout` before the fit absorbs it.
 
 The fit (`fit_windows`) is pure: robust (Huber weights on relative residuals, windows past six robust
 standard deviations left out: restarts, preemption storms), held near the seed in the directions the
-windows cannot tell apart (a 1% ridge toward the seed), and bounded to physically sane values
-(`model.FitBounds`; bandwidth and compute at least 5% of peak). It replaces the seed only with
+windows cannot tell apart (a ridge of 0.1% of the data's own weight toward the seed), and bounded to
+physically sane values (`model.FitBounds`; bandwidth and compute at least 5% of peak). It replaces the seed only with
 `min_windows` windows whose tokens in flight spread enough. `OnlineCalibrator` is the wiring: it
 collects the windows from the poller's readings, refits, swaps the setup the deployment predicts
 with (`SetupInUse`) and logs every refit that moves a parameter by more than 5%.
@@ -22,8 +22,9 @@ import math
 import statistics
 import threading
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,6 +33,7 @@ from exporter.errors import InputError
 
 if TYPE_CHECKING:
     from exporter.serve.config import Deployment
+    from exporter.serve.poller import PollResult
     from exporter.serve.reading import Reading
 
 log = structlog.get_logger("stepbudget.online_calibration")
@@ -48,7 +50,7 @@ MIN_RATE_SHARE_OF_PEAK = 0.05  # fitted bandwidth and compute: at least this sha
 _HUBER_K = 1.345
 _OUTLIER_SIGMAS = 6.0
 _MIN_SCALE = 0.01  # relative residual scale floor: 1% noise
-_RIDGE = 0.01  # pull toward the seed, relative to the data's own curvature in each direction
+_RIDGE = 1e-3  # pull toward the seed, relative to the data's own curvature in each direction
 _COMPUTE_FACTORS = (0.5, 0.7, 1.0, 1.4, 2.0)  # compute rates tried, times the seed's
 _COMPUTE_MIN_GAIN = 0.9  # a compute rate other than the seed's must cut the robust loss by 10%
 _IRLS_ROUNDS = 8
@@ -470,9 +472,9 @@ class OnlineCalibrator:
                     calibration.refit(now_seconds)
                     calibration.publish()
 
-    def on_poll(self, result: object) -> None:
+    def on_poll(self, result: PollResult) -> None:
         """A Poller listener: the poll's readings, at the poll's end."""
-        self.observe(getattr(result, "readings"), float(getattr(result, "finished_at_seconds")))
+        self.observe(result.readings, result.finished_at_seconds)
 
 
 def fitted_step_seconds(seed: model.ServingSetup, windows: Sequence[FitWindow], parameters: Parameters) -> list[float]:

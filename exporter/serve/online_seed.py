@@ -48,13 +48,16 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
+Samples = list[tuple[float, float]]
+
+
 def query_range(url: str, query: str, start: float, end: float, step: float,
-                timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> list[tuple[dict[str, str], list[tuple[float, float]]]]:
+                timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> list[tuple[dict[str, str], Samples]]:
     """One range query: each series' labels and (time, value) samples."""
     params = urllib.parse.urlencode({"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"})
     address = f"{url.rstrip('/')}/api/v1/query_range?{params}"
     try:
-        with urllib.request.urlopen(address, timeout=timeout_seconds) as response:  # noqa: S310 - the configured URL
+        with urllib.request.urlopen(address, timeout=timeout_seconds) as response:
             document = json.loads(response.read())
     except (OSError, ValueError, urllib.error.URLError) as error:
         raise PrometheusError(f"GET {url}/api/v1/query_range: {error}") from None
@@ -122,7 +125,7 @@ def seed_deployment(calibrator: OnlineCalibrator, name: str, *, now_seconds: flo
         windows = windows_from_prometheus(url, name, now - calibration.settings.history_seconds, now,
                                           timeout_seconds=timeout_seconds)
         calibrator.seed_windows(name, windows, now)
-    except Exception as error:  # noqa: BLE001 - a failing Prometheus never stops the daemon
+    except Exception as error:
         log.warning("online_calibration_seed_failed", deployment=name, prometheus_url=url, reason=str(error)[:300])
         return 0
     fit = calibration.fit
