@@ -30,8 +30,6 @@ from exporter.serve import online_seed
 from exporter.serve.alerting import AlertLoop, packaged_rules
 from exporter.serve.collector import make_registry
 from exporter.serve.config import Alerting, Deployment, config_from_mapping
-from exporter.serve.discovery import Target
-from exporter.serve.engines import read_page
 from exporter.serve.online_calibration import (
     ONLINE_SOURCE,
     Bounds,
@@ -40,13 +38,13 @@ from exporter.serve.online_calibration import (
     Parameters,
     fit_windows,
 )
-from exporter.serve.reading import Reading, derive_reading
-from exporter.serve.window import compute_window
+from exporter.serve.reading import Reading
 from exporter.simulator import ServerSpec, Simulator, load_scenario
 from exporter.simulator.hardware import StepCost
+from tests.support.simulated_polls import TARGET_URL, simulated_polls
 
 POLL_SECONDS = 5.0
-URL = "http://127.0.0.1:8000/metrics"
+URL = TARGET_URL
 H100_BANDWIDTH, H100_BF16 = 3.35e12, 989e12
 
 
@@ -105,31 +103,23 @@ def _run(scenario: str, until: float, online: dict[str, Any], *, physics: Callab
          ) -> tuple[list[Poll], OnlineCalibrator, Deployment]:
     deployment = _config(online)
     calibrator = OnlineCalibrator([deployment])
-    target = Target(deployment="pool", url=URL, target="127.0.0.1:8000")
     sim = Simulator(ServerSpec(), load_scenario(scenario), record_steps=True)
-    assert sim.steps is not None
     engine = sim.engines[0]
     if physics is not None:
         engine.physics = physics(engine.physics)
-    polls: list[Poll] = []
-    previous, seen, t = None, 0, 0.0
-    while t < until:
-        t += poll
-        if change_at is not None and change is not None and t - poll <= change_at < t:
+
+    def before(start: float, end: float) -> None:
+        if change_at is not None and change is not None and start <= change_at < end:
             sim.run_until(change_at)
             engine.physics = change(engine.physics)
-        sim.run_until(t)
-        (snapshot,) = read_page(sim.render_metrics()).snapshots
-        window = compute_window(previous, snapshot)
-        previous = snapshot
-        reading = derive_reading(deployment, target, snapshot, window, now_seconds=t, scrape_duration_seconds=0.0)
-        steps = sim.steps[seen:]
-        seen = len(sim.steps)
-        observations = [s.seconds for s in steps for _ in range(s.decode_tokens)]
-        polls.append(Poll(t, reading, statistics.fmean(observations) if observations else None))
-        calibrator.observe([reading], t)
+
+    polls: list[Poll] = []
+    for sampled in simulated_polls(sim, deployment, poll, until, before=before):
+        observations = [s.seconds for s in sampled.steps for _ in range(s.decode_tokens)]
+        polls.append(Poll(sampled.seconds, sampled.reading, statistics.fmean(observations) if observations else None))
+        calibrator.observe([sampled.reading], sampled.seconds)
         if alert_loop is not None:
-            alert_loop.evaluate([reading], t)
+            alert_loop.evaluate([sampled.reading], sampled.seconds)
     return polls, calibrator, deployment
 
 
