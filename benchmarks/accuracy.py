@@ -10,7 +10,16 @@ Method, per series (same model, hardware, GPU count, prompt and output lengths):
   1. Calibrate on the two smallest batches of the series (exporter.capacity.model.calibrate, least squares):
      with two batch sizes the fit gives the effective bandwidth and a per-request cost (the step
      model by phase: overhead + per-request cost x running + GEMM phase + attention phase).
-  2. Predict every larger batch with exporter.capacity.model and compare with the table; the two
+     Every fitted term is bounded to physically sane values (model.FitBounds): bandwidth and compute
+     at most the GPU's datasheet peak, a per-step overhead at most 50 ms, a per-request cost at most
+     300 us (published per-request slopes are 30-130 us). A term the two points put past its bound,
+     or negative, is one they cannot separate reliably: it is not fitted and the rest is refitted
+     (the fit's notes are listed below). A compute rate is fitted only with a point to spare, so never
+     from two points.
+  2. A series whose fitted terms miss one of its own calibration points by more than 15% (the
+     calibrate agreement tolerance) is refused, as `stepbudget calibrate` refuses points that disagree:
+     it is listed with what it would have predicted, and not scored.
+  3. Predict every larger batch with exporter.capacity.model and compare with the table; the two
      calibration rows are not scored.
 
 Conversions and assumptions (also written into the results):
@@ -44,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exporter import model  # noqa: E402
+from exporter.capacity import model  # noqa: E402
 from exporter.capacity.model import Architecture, CalibrationPoint, RequestGroup, ServingSetup  # noqa: E402
 
 DATA_DIR = REPO / "benchmarks" / "data" / "validation"  # vendored from shared/reference/validation
@@ -91,6 +100,10 @@ class Prediction:
     calibration_row: bool
     calibrated_bandwidth_bytes_per_second: float
     bandwidth_efficiency: float  # of the datasheet peak per GPU
+    per_request_seconds: float = 0.0
+    step_overhead_seconds: float = 0.0
+    refused: str = ""  # why the series' calibration was refused (not scored), "" when accepted
+    notes: tuple[str, ...] = ()
 
     @property
     def per_token_error_ratio(self) -> float:
@@ -183,7 +196,11 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
     probe = _setup(arch, peak, usable[0].gpus, bandwidth=1.0)
     calibration = model.calibrate([
         model.calibration_point(probe, r.measured_per_token_seconds, r.batch * mean_context(r), r.batch)
-        for r in calibration_rows])
+        for r in calibration_rows], bounds=model.FitBounds(max_bandwidth_bytes_per_second=peak[0],
+                                                           max_compute_flops_per_second=peak[1]))
+    refused = "" if calibration.fit_agrees else (
+        f"calibration refused: the fit misses its own points by up to "
+        f"{max(abs(r) for r in calibration.residual_ratios):.0%} (tolerance {calibration.tolerance:.0%})")
     setup = replace(_setup(arch, peak, usable[0].gpus, calibration.effective_bandwidth_bytes_per_second),
                     step_overhead_seconds=calibration.step_overhead_seconds,
                     per_request_seconds=calibration.per_request_seconds)
@@ -196,7 +213,9 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
                                       row.measured_throughput, per_second, row.throughput_unit,
                                       row in calibration_rows,
                                       setup.effective_bandwidth_bytes_per_second,
-                                      setup.effective_bandwidth_bytes_per_second / peak[0]))
+                                      setup.effective_bandwidth_bytes_per_second / peak[0],
+                                      calibration.per_request_seconds, calibration.step_overhead_seconds,
+                                      refused, calibration.notes))
     return predictions
 
 
@@ -216,7 +235,7 @@ class ErrorSummary:
 
 
 def summarise(scope: str, metric: str, predictions: list[Prediction]) -> ErrorSummary | None:
-    scored = [p for p in predictions if not p.calibration_row]
+    scored = [p for p in predictions if not p.calibration_row and not p.refused]
     if not scored:
         return None
     errors = [(p.per_token_error_ratio if metric == "per-token time" else p.throughput_error_ratio, p.batch) for p in scored]
@@ -262,15 +281,20 @@ def write(predictions: list[Prediction], summaries: list[ErrorSummary], excluded
              "|---|---|---:|---:|---:|---|"]
     lines += [f"| {s.scope} | {s.metric} | {s.count} | {s.median_abs_error_ratio:.1%} | {s.mean_abs_error_ratio:.1%} | "
               f"{s.worst_abs_error_ratio:.1%} ({s.worst_signed_error_ratio:+.1%}, B={s.worst_batch}) |" for s in summaries]
-    lines += ["", "## Calibrated bandwidth per series (from its two smallest batches)", "",
-              "| series | per GPU TB/s | of datasheet peak |", "|---|---:|---:|"]
-    lines += [f"| {p.series} | {p.calibrated_bandwidth_bytes_per_second / 1e12:.3f} | {p.bandwidth_efficiency:.0%} |"
-              for p in predictions if p.calibration_row]
+    lines += ["", "## Calibration per series (from its two smallest batches)", "",
+              "| series | per GPU TB/s | of datasheet peak | per-request us | overhead ms | notes |",
+              "|---|---:|---:|---:|---:|---|"]
+    firsts: dict[str, Prediction] = {}
+    for prediction in predictions:
+        firsts.setdefault(prediction.series, prediction)
+    lines += [f"| {p.series} | {p.calibrated_bandwidth_bytes_per_second / 1e12:.3f} | {p.bandwidth_efficiency:.0%} | "
+              f"{p.per_request_seconds * 1e6:.0f} | {p.step_overhead_seconds * 1e3:.2f} | "
+              f"{'; '.join((p.refused,) * bool(p.refused) + p.notes)} |" for p in firsts.values()]
     lines += ["", "## Every prediction", "",
               "| series | batch | per-token measured ms | predicted ms | err | throughput measured | predicted | err |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in predictions:
-        mark = " (calibration)" if p.calibration_row else ""
+        mark = " (calibration)" if p.calibration_row else " (refused, not scored)" if p.refused else ""
         lines.append(f"| {p.series}{mark} | {p.batch} | {p.measured_per_token_seconds * 1e3:.2f} | "
                      f"{p.predicted_per_token_seconds * 1e3:.2f} | {p.per_token_error_ratio:+.1%} | "
                      f"{p.measured_throughput:,.1f} {p.throughput_unit} | {p.predicted_throughput:,.1f} | "

@@ -6,7 +6,7 @@ What a newcomer runs first (`make demo`), with nothing but Python:
   2. two simulated vLLM pools at `--speed` (a steady-chat pool, and an agents-join pool where two
      ~100,000-token agent sessions join at t=120 s simulated and leave at t=420 s);
   3. the real daemon (`stepbudget serve`) as a child process, with a generated config file holding
-     the calibrated bandwidth and overhead, polling both pools;
+     the calibrated bandwidth and overhead as the seed of its online calibration, polling both pools;
   4. a view of the daemon's own /metrics, refreshed every poll: tokens in flight against the token
      budget, predicted and measured step time, per-user tokens/s, and the daemon's own pending and
      firing alerts (its `GET /api/v1/alerts`, the conditions of rules/stepbudget.alerts.yaml).
@@ -139,7 +139,52 @@ def daemon_config(listen: str, poll_interval: str, calibration_path: Path, pools
             "name": pool.deployment, "model": MODEL, "gpu": GPU, "calibration": str(calibration_path),
             "targets": {"static": [f"{pool.handle.url}/metrics"]},
         } for pool in pools],
+        # Wall-time durations: the simulators run faster than real time, so the fit converges in a minute.
+        "defaults": {"online_calibration": DEMO_ONLINE_CALIBRATION},
     }
+
+
+DEMO_ONLINE_CALIBRATION = {"history": "10m", "holdout": "20s", "min_windows": 15}
+PARAMETER_SERIES = ("step_overhead_seconds", "per_request_seconds", "effective_compute_flops_per_second",
+                    "online_fit_windows", "online_fit_residual_ratio")
+
+
+@dataclass
+class ParametersView:
+    """One deployment's step parameters in use, and where they came from."""
+
+    source: str = ""
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def read_parameters(metrics_url: str) -> dict[str, ParametersView]:
+    """Each deployment's parameters in use (bandwidth, overhead, per-request cost, compute) and their source."""
+    text = requests.get(metrics_url, timeout=HTTP_TIMEOUT_SECONDS).text
+    found: dict[str, ParametersView] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("stepbudget_")
+            deployment = sample.labels.get("deployment")
+            if deployment is None or name not in (*PARAMETER_SERIES, "effective_bandwidth_bytes_per_second"):
+                continue
+            view = found.setdefault(deployment, ParametersView())
+            view.values[name] = sample.value
+            view.source = sample.labels.get("source", view.source)
+    return found
+
+
+def parameters_line(view: ParametersView | None) -> str:
+    if view is None or not view.values:
+        return "  parameters        -"
+    values = view.values
+    fit = (f", fitted from {values.get('online_fit_windows', 0):.0f} windows (median residual "
+           f"{values.get('online_fit_residual_ratio', 0):.1%})" if view.source == "online" else
+           " (the seed: the online fit has too few windows yet)")
+    return (f"  parameters        source {view.source}{fit}: bandwidth "
+            f"{values.get('effective_bandwidth_bytes_per_second', 0) / 1e12:.2f} TB/s, overhead "
+            f"{values.get('step_overhead_seconds', 0) * 1e3:.2f} ms, per request "
+            f"{values.get('per_request_seconds', 0) * 1e6:.0f} us, compute "
+            f"{values.get('effective_compute_flops_per_second', 0) / 1e12:.0f} TFLOP/s")
 
 
 # Run as `python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: on Linux, ask the kernel for SIGTERM
@@ -237,7 +282,8 @@ def _tokens(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def render_view(views: list[TargetView], alerts: ActiveAlerts, pools: dict[str, Pool], metrics_url: str) -> str:
+def render_view(views: list[TargetView], alerts: ActiveAlerts, pools: dict[str, Pool], metrics_url: str,
+                parameters: dict[str, ParametersView] | None = None) -> str:
     lines = [f"stepbudget demo — the daemon's view ({metrics_url}), refreshed every poll; Ctrl-C stops", ""]
     for view in views:
         pool = pools.get(view.deployment)
@@ -256,6 +302,8 @@ def render_view(views: list[TargetView], alerts: ActiveAlerts, pools: dict[str, 
             f"  per-user speed    predicted {view.get('predicted_user_tokens_per_second') or 0:6.1f} tok/s   measured "
             f"{(1 / measured) if measured else 0:6.1f} tok/s",
         ]
+        if parameters is not None:
+            lines.append(parameters_line(parameters.get(view.deployment)))
         active = alerts.get((view.deployment, view.target), [])
         shown = [f"{name} {state} for {seconds:.0f} s" for name, state, seconds in sorted(active)]
         lines.append("  alerts            " + (", ".join(shown) if shown else "none — within budget"))
@@ -364,7 +412,8 @@ def _run(args: argparse.Namespace, duration: float | None, poll_seconds: float, 
                                                         pools), sort_keys=False))
     log_path = workdir / "daemon.log"
     print(f"3. starting the daemon: stepbudget serve --config {config_path.name} (calibrated bandwidth and "
-          f"overhead, poll every {poll_seconds:g} s)", flush=True)
+          f"overhead as the seed, refitted online from its own windows once it has "
+          f"{DEMO_ONLINE_CALIBRATION['min_windows']}; poll every {poll_seconds:g} s)", flush=True)
     process = start_daemon(config_path, log_path)
     started.append(lambda: stop_daemon(process))
     try:
@@ -396,13 +445,14 @@ def _watch(daemon_url: str, pools: dict[str, Pool], poll_seconds: float, duratio
             break
         try:
             views = read_targets(metrics_url)
+            parameters = read_parameters(metrics_url)
             alerts = read_alerts(f"{daemon_url}/api/v1/alerts", time.time())
         except requests.RequestException as error:
             print(f"stepbudget demo: cannot read the daemon at {daemon_url}: {error}", file=sys.stderr)
             continue
         order = list(pools)
         views.sort(key=lambda v: order.index(v.deployment) if v.deployment in order else len(order))
-        text = render_view(views, alerts, pools, metrics_url)
+        text = render_view(views, alerts, pools, metrics_url, parameters)
         if any(v.get("predicted_step_seconds") is not None for v in views):
             tally_views(views, alerts, tallies)
         print(("\x1b[H\x1b[2J" if interactive else "\n") + text, flush=True)

@@ -223,6 +223,32 @@ def test_a_calibration_calibrate_rejected_is_refused_naming_deployment_file_and_
     assert "spread 100.0%, more than the 15% tolerance" in message and "re-run `stepbudget calibrate`" in message
 
 
+def test_a_calibration_with_a_per_request_cost_and_compute_sets_them(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({**CALIBRATION_DOCUMENT, "per_request_seconds": 40e-6,
+                                "effective_compute_flops_per_second": 600e12}))
+    setup = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {path}\n"))).deployments[0].resolved.setup
+    assert setup.per_request_seconds == 40e-6 and setup.effective_compute_flops_per_second == 600e12
+    path.write_text(json.dumps({**CALIBRATION_DOCUMENT, "per_request_seconds": None,
+                                "effective_compute_flops_per_second": None}))
+    setup = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {path}\n"))).deployments[0].resolved.setup
+    assert setup.per_request_seconds == 0
+    assert setup.effective_compute_flops_per_second == pytest.approx(0.5 * 989e12, rel=0.01)
+
+
+def test_weight_dtype_follows_the_checkpoint_unless_given(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "config.json"
+    checkpoint.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+        "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    text = MINIMAL.replace("model: qwen3-8b", f"model: {checkpoint}")
+    assert load_config(str(write(tmp_path, text))).deployments[0].resolved.setup.weight_bytes_per_param == 0.5
+    assert load_config(str(write(tmp_path, MINIMAL))).deployments[0].resolved.setup.weight_bytes_per_param == 2.0
+    given = load_config(str(write(tmp_path, text + "        weight_dtype: bf16\n")))
+    assert given.deployments[0].resolved.setup.weight_bytes_per_param == 2.0
+
+
 @pytest.mark.parametrize("change, expected", [
     ({"agrees": None}, "lacks agrees"),
     ({"effective_bandwidth_bytes_per_second": None, "tolerance_ratio": None},
@@ -235,6 +261,9 @@ def test_a_calibration_calibrate_rejected_is_refused_naming_deployment_file_and_
     ({"step_overhead_seconds": math.nan}, "unusable step_overhead_seconds: expected a number"),
     ({"spread_ratio": "wide"}, "unusable spread_ratio: expected a number"),
     ({"agrees": "yes"}, "unusable agrees: expected true or false, got 'yes'"),
+    ({"per_request_seconds": -1e-6}, "unusable per_request_seconds: must not be negative"),
+    ({"effective_compute_flops_per_second": 0},
+     "unusable effective_compute_flops_per_second: must be greater than zero"),
     ({"spread_ratio": 0.4}, "says agrees: true but its spread_ratio 0.4 and tolerance_ratio 0.15 say otherwise"),
 ])
 def test_a_calibration_file_is_checked_key_by_key(tmp_path: Path, change: dict, expected: str) -> None:

@@ -34,6 +34,7 @@ def test_demo_runs_for_its_duration_and_reports_the_agents_pool_over_budget() ->
     out = result.stdout
     assert f"the daemon's metrics: http://127.0.0.1:{port}/metrics" in out
     assert "effective bandwidth" in out and "per-step overhead" in out  # calibrated first
+    assert "  parameters        source calibrated" in out  # the parameters in use and their source
     summary = out[out.rindex("summary after"):]
     agents = re.search(r"agents-pool \(agents-join.*?\): OVER BUDGET in (\d+) of (\d+) polls", summary)
     assert agents, summary

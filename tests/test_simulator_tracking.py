@@ -25,12 +25,10 @@ from exporter.capacity import calibrate, model
 from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.serve.collector import make_registry
 from exporter.serve.config import Deployment, config_from_mapping
-from exporter.serve.discovery import Target
-from exporter.serve.engines import read_page
-from exporter.serve.reading import Reading, derive_reading
-from exporter.serve.window import compute_window
+from exporter.serve.reading import Reading
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerSpec, Simulator, load_scenario
 from exporter.simulator.engine import single_stream_token_seconds
+from tests.support.simulated_polls import simulated_polls
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15
@@ -71,27 +69,15 @@ class Poll:
 @cache
 def _run(scenario: str, until_seconds: float) -> tuple[tuple[Poll, ...], Deployment]:
     deployment = _deployment()
-    target = Target(deployment="pool", url="http://127.0.0.1:8000/metrics", target="127.0.0.1:8000")
     sim = Simulator(SPEC, load_scenario(scenario), record_steps=True)
-    assert sim.steps is not None
     polls: list[Poll] = []
-    previous = None
-    seen_steps = 0
-    t = 0.0
-    while t < until_seconds:
-        t += POLL_SECONDS
-        sim.run_until(t)
-        (snapshot,) = read_page(sim.render_metrics()).snapshots
-        window = compute_window(previous, snapshot)
-        previous = snapshot
-        reading = derive_reading(deployment, target, snapshot, window, now_seconds=t, scrape_duration_seconds=0.0)
-        steps = sim.steps[seen_steps:]
-        seen_steps = len(sim.steps)
+    for poll in simulated_polls(sim, deployment, POLL_SECONDS, until_seconds):
+        t, steps = poll.seconds, poll.steps
         observations = [s.seconds for s in steps for _ in range(s.decode_tokens)]
         agents = [r for r in sim.running if r.group == "agent"]
         agent_prefill = any(s.prefill_tokens > 2048 // 2 for s in steps) and scenario == "agents-join" and (
             AGENTS_JOIN_SECONDS <= t < AGENTS_JOIN_SECONDS + 2 * POLL_SECONDS)
-        polls.append(Poll(t, reading, statistics.fmean(observations) if observations else None, len(agents),
+        polls.append(Poll(t, poll.reading, statistics.fmean(observations) if observations else None, len(agents),
                           agent_prefill))
     return tuple(polls), deployment
 

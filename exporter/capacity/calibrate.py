@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from exporter.capacity import model
-from exporter.capacity.deployment import ResolvedSetup
+from exporter.capacity.deployment import ResolvedSetup, fit_bounds
 from exporter.errors import InputError
 from exporter.capacity.model import Calibration, CalibrationPoint, ServingSetup
 from exporter.capacity.planner import add_setup_arguments, parse_positive_float, resolve_from_args
@@ -329,6 +329,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "repeatable. Points at several batch sizes also fit a per-request cost, and with more "
                              "points an overhead and a compute rate")
     source.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    source.add_argument("--prometheus", metavar="URL",
+                        help="fit from the daemon's own series in this Prometheus (the online calibration's fit, "
+                             "offline); needs --deployment")
+    source.add_argument("--deployment", help="with --prometheus: the deployment label of the series")
+    source.add_argument("--since", default="24h", metavar="DURATION",
+                        help="with --prometheus: how far back to read (default 24h)")
     source.add_argument("--short-context", default=str(DEFAULT_SHORT_CONTEXT_TOKENS), metavar="TOKENS",
                         help=f"context of the short request (default {DEFAULT_SHORT_CONTEXT_TOKENS})")
     source.add_argument("--long-context", default=str(DEFAULT_LONG_CONTEXT_TOKENS), metavar="TOKENS",
@@ -359,10 +365,18 @@ def _live_measurements(args: argparse.Namespace) -> list[StreamMeasurement]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if bool(args.itl) == bool(args.url):
-        raise InputError("give either --itl SECONDS@TOKENS (offline, repeatable) or --url BASE (live), not both or neither")
+    if sum(bool(source) for source in (args.itl, args.url, args.prometheus)) != 1:
+        raise InputError("give one of --itl SECONDS@TOKENS (offline, repeatable), --url BASE (live) or "
+                         "--prometheus URL --deployment NAME (the daemon's own history)")
     resolved = resolve_from_args(args)
     measurements: list[StreamMeasurement] = []
+    if args.prometheus:
+        try:
+            calibration = _prometheus_calibration(args, resolved)
+        except OSError as error:
+            print(f"stepbudget calibrate: error: {error}", file=sys.stderr)
+            return 1
+        return _report(args, resolved, calibration, measurements)
     if args.url:
         try:
             measurements = _live_measurements(args)
@@ -372,7 +386,12 @@ def run(args: argparse.Namespace) -> int:
         points = points_from_measurements(resolved.setup, measurements)
     else:
         points = offline_points(resolved.setup, args.itl)
-    calibration = model.calibrate(points)
+    calibration = model.calibrate(points, bounds=fit_bounds(resolved))
+    return _report(args, resolved, calibration, measurements)
+
+
+def _report(args: argparse.Namespace, resolved: ResolvedSetup, calibration: Calibration,
+            measurements: Sequence[StreamMeasurement]) -> int:
     if args.json:
         print(json.dumps(calibration_to_json(resolved, calibration, measurements), indent=2))
     else:
@@ -380,3 +399,23 @@ def run(args: argparse.Namespace) -> int:
     if not calibration.agrees:
         raise InputError(disagreement_message(calibration))
     return 0
+
+
+def _prometheus_calibration(args: argparse.Namespace, resolved: ResolvedSetup) -> Calibration:
+    """The online calibration's fit over the daemon's own series, `--since` back (OSError: unreachable)."""
+    from exporter.serve import online_calibration, online_seed  # the daemon's side: paid for only here
+
+    if not args.deployment:
+        raise InputError("--prometheus needs --deployment NAME (the deployment label of the daemon's series)")
+    since = parse_duration_seconds(args.since, "--since")
+    now = time.time()
+    try:
+        pairs = online_seed.windows_from_prometheus(args.prometheus, args.deployment, now - since, now)
+    except online_seed.PrometheusError as error:
+        raise OSError(str(error)) from None
+    windows = [window for _, window in pairs]
+    limits = fit_bounds(resolved)
+    bounds = online_calibration.Bounds.of(limits.max_bandwidth_bytes_per_second, limits.max_compute_flops_per_second)
+    fit = online_calibration.fit_windows(resolved.setup, windows, bounds, min_windows=1)
+    where = f"of deployment {args.deployment!r} in {args.prometheus} over the last {args.since}"
+    return online_calibration.calibration_from_fit(resolved.setup, windows, fit, where)

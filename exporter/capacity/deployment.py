@@ -76,10 +76,13 @@ def build_setup(
     bandwidth_efficiency: float = model.DEFAULT_BANDWIDTH_EFFICIENCY,
     compute_efficiency: float = model.DEFAULT_COMPUTE_EFFICIENCY,
     step_overhead_seconds: float = 0.0,
+    per_request_seconds: float = 0.0,
+    compute_flops_per_second: float | None = None,
     block_size_tokens: int = model.DEFAULT_BLOCK_SIZE_TOKENS,
 ) -> ResolvedSetup:
     """Resolve presets and defaults. kv_cache_dtype "auto" follows the weights' activation dtype
-    (16-bit), as vLLM's does; weight quantization never changes the KV term and vice versa."""
+    (16-bit), as vLLM's does; weight quantization never changes the KV term and vice versa.
+    `compute_flops_per_second` (a calibrated effective compute rate) replaces efficiency x peak."""
     gpu_preset = get_gpu(gpu)
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise InputError(f"tensor parallel must be a whole number of GPUs >= 1, got {tensor_parallel!r}")
@@ -99,17 +102,28 @@ def build_setup(
             raise InputError(f"effective bandwidth must be greater than zero, got {bandwidth_bytes_per_second!r}")
         bandwidth = bandwidth_bytes_per_second
         source = "calibrated" if bandwidth_is_calibrated else "configured"
+    if compute_flops_per_second is not None and not compute_flops_per_second > 0:
+        raise InputError(f"effective compute must be greater than zero, got {compute_flops_per_second!r}")
+    compute = compute_flops_per_second or compute_efficiency * gpu_preset.peak_flops_for(weight_bytes_per_param)
     setup = ServingSetup(
         architecture=architecture,
         gpu_memory_bytes=gpu_memory_bytes if gpu_memory_bytes is not None else gpu_preset.memory_bytes,
         effective_bandwidth_bytes_per_second=bandwidth,
-        effective_compute_flops_per_second=compute_efficiency * gpu_preset.peak_flops_for(weight_bytes_per_param),
+        effective_compute_flops_per_second=compute,
         tensor_parallel=tensor_parallel,
         weight_bytes_per_param=weight_bytes_per_param,
         kv_bytes_per_element=kv_bytes,
         step_overhead_seconds=step_overhead_seconds,
+        per_request_seconds=per_request_seconds,
         gpu_memory_utilization=gpu_memory_utilization,
         reserved_memory_bytes=reserved_memory_bytes,
         block_size_tokens=block_size_tokens,
     )
     return ResolvedSetup(setup=setup, gpu=gpu_preset, bandwidth_source=source)
+
+
+def fit_bounds(resolved: ResolvedSetup) -> model.FitBounds:
+    """What a calibration of this setup may fit: bandwidth and compute up to the GPU's datasheet peaks."""
+    return model.FitBounds(
+        max_bandwidth_bytes_per_second=resolved.gpu.peak_bandwidth_bytes_per_second,
+        max_compute_flops_per_second=resolved.gpu.peak_flops_for(resolved.setup.weight_bytes_per_param))

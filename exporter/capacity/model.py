@@ -695,6 +695,12 @@ class Calibration:
         return self.spread_ratio <= self.tolerance
 
     @property
+    def fit_agrees(self) -> bool:
+        """The fitted terms reproduce every point within tolerance (the check for points at several
+        batch sizes, whose own bandwidths differ by the per-request cost even when the model fits)."""
+        return max(abs(ratio) for ratio in self.residual_ratios) <= self.tolerance
+
+    @property
     def residual_ratios(self) -> tuple[float, ...]:
         return tuple((fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(self.points, self.fitted_seconds))
 
@@ -705,6 +711,35 @@ class Calibration:
         return math.sqrt(sum(squares) / len(squares))
 
 
+@dataclass(frozen=True)
+class FitBounds:
+    """Physically sane ranges for fitted terms; a fit that leaves them is not trusted.
+
+    Per-request costs measured on published tables are 50-130 us (sampling, per-sequence input
+    preparation, a TP all-reduce growing with the batch); per-step overheads (scheduling, launches)
+    are a few ms. Bandwidth and compute cannot exceed the GPU's datasheet peaks (inf: unknown)."""
+
+    max_bandwidth_bytes_per_second: float = math.inf
+    max_compute_flops_per_second: float = math.inf
+    max_step_overhead_seconds: float = 0.05
+    max_per_request_seconds: float = 300e-6
+
+    def __post_init__(self) -> None:
+        for name, value in (("max_bandwidth_bytes_per_second", self.max_bandwidth_bytes_per_second),
+                            ("max_compute_flops_per_second", self.max_compute_flops_per_second),
+                            ("max_step_overhead_seconds", self.max_step_overhead_seconds),
+                            ("max_per_request_seconds", self.max_per_request_seconds)):
+            if not value > 0:
+                raise InputError(f"{name} must be greater than zero, got {value!r}")
+
+    def upper(self, term: str) -> float:
+        return self.max_step_overhead_seconds if term == _OVERHEAD else self.max_per_request_seconds
+
+
+
+DEFAULT_FIT_BOUNDS = FitBounds()
+
+
 # Terms a calibration can fit besides the bandwidth, by the point column that carries each.
 _OVERHEAD, _PER_REQUEST = "overhead", "per_request"
 # Compute rates tried when the points allow a compute fit (FLOP/s): 1 TFLOP/s to 10 PFLOP/s.
@@ -713,14 +748,18 @@ _COMPUTE_GRID_FLOPS = tuple(10 ** (12 + step / 20) for step in range(81))
 _COMPUTE_MIN_IMPROVEMENT = 0.5
 
 
-def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_TOLERANCE) -> Calibration:
+def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_TOLERANCE,
+              bounds: FitBounds = DEFAULT_FIT_BOUNDS) -> Calibration:
     """Fit the step's terms to measured points, least squares.
 
     itl = overhead + per_request * running + read_bytes / bandwidth (+ the GEMM FLOPs beyond the
     weight read, at a fitted compute rate, where the points allow it). Bandwidth is always fitted;
     a per-request cost where the running requests differ; an overhead where the bytes differ and a
     point is left over; compute where points are left over after those and it halves the residuals.
-    A term fitted negative is dropped with a note. The agreement verdict compares the points' own
+    A term fitted negative, or past its bound in `bounds` (the points cannot separate it reliably:
+    a per-request cost of milliseconds is a bad point, not sampling), is dropped with a note and the
+    rest refitted; a bandwidth past the GPU's peak drops the last extra term, and failing that is
+    held at the peak; compute rates are searched up to the peak only. The agreement verdict compares the points' own
     bandwidths (no overhead): a spread over `tolerance` means bytes read alone do not explain the
     gaps (prefix caching, quantized cache, MoE routing, or large fixed overheads).
     """
@@ -731,10 +770,11 @@ def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_T
     notes: list[str] = []
     terms = _identifiable_terms(points)
     memory_notes: list[str] = []
-    coefficients = _fit_non_negative(points, terms, memory_notes, inverse_compute=0.0)
-    inverse_compute = _fit_compute(points, terms, coefficients) if len(points) > len(terms) + 1 else 0.0
+    coefficients = _fit_non_negative(points, terms, memory_notes, 0.0, bounds)
+    # A compute rate needs a point to spare beyond the terms it joins: with none it fits any two points exactly.
+    inverse_compute = _fit_compute(points, terms, coefficients, bounds) if len(points) > len(terms) + 2 else 0.0
     if inverse_compute:  # compute-bound points distort a memory-only fit: refit every term with it
-        coefficients = _fit_non_negative(points, terms, notes, inverse_compute)
+        coefficients = _fit_non_negative(points, terms, notes, inverse_compute, bounds)
     else:
         notes += memory_notes
     fitted_seconds = tuple(_fitted_seconds(p, coefficients, inverse_compute) for p in points)
@@ -783,8 +823,9 @@ def _column(point: CalibrationPoint, term: str) -> float:
 
 
 def _fit_non_negative(points: tuple[CalibrationPoint, ...], terms: list[str], notes: list[str],
-                      inverse_compute: float) -> dict[str, float]:
-    """Least squares over bandwidth and `terms`; a negative term is dropped (noted) and the rest refitted."""
+                      inverse_compute: float, bounds: FitBounds = DEFAULT_FIT_BOUNDS) -> dict[str, float]:
+    """Least squares over bandwidth and `terms`; a term fitted negative or past its bound is dropped
+    (noted) and the rest refitted; a bandwidth past the peak drops the last term, or is held at the peak."""
     active = list(terms)
     while True:
         rows = [[p.read_bytes] + [_column(p, term) for term in active] for p in points]
@@ -806,11 +847,34 @@ def _fit_non_negative(points: tuple[CalibrationPoint, ...], terms: list[str], no
                 "so these points cannot come from one model on one server"
             )
         negative = [(value, term) for value, term in zip(solution[1:], active) if value < 0]
-        if not negative:
-            return {"inverse_bandwidth": solution[0], **dict(zip(active, solution[1:]))}
-        dropped = min(negative)[1]
-        notes.append(f"the fit gave a negative {dropped.replace('_', '-')} cost; refitted without it")
-        active.remove(dropped)
+        if negative:
+            dropped = min(negative)[1]
+            notes.append(f"the fit gave a negative {dropped.replace('_', '-')} cost; refitted without it")
+            active.remove(dropped)
+            continue
+        beyond = [(value / bounds.upper(term), term) for value, term in zip(solution[1:], active, strict=True)
+                  if value > bounds.upper(term)]
+        if beyond:
+            ratio, dropped = max(beyond)
+            notes.append(f"the fit gave a {dropped.replace('_', '-')} cost {ratio:.1f}x its bound of "
+                         f"{_seconds_text(bounds.upper(dropped))}: the points cannot separate it reliably; "
+                         "refitted without it")
+            active.remove(dropped)
+            continue
+        if 1.0 / solution[0] > bounds.max_bandwidth_bytes_per_second:
+            if active:
+                notes.append(f"the fit gave a bandwidth of {1.0 / solution[0] / 1e12:.2f} TB/s, over the GPU's peak: "
+                             f"the {active[-1].replace('_', '-')} cost took time the bytes need; refitted without it")
+                active.pop()
+                continue
+            notes.append(f"the points read faster than the GPU's peak bandwidth; held at the peak "
+                         f"{bounds.max_bandwidth_bytes_per_second / 1e12:.2f} TB/s")
+            solution[0] = 1.0 / bounds.max_bandwidth_bytes_per_second
+        return {"inverse_bandwidth": solution[0], **dict(zip(active, solution[1:], strict=True))}
+
+
+def _seconds_text(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.0f} ms"
 
 
 def _compute_excess_seconds(point: CalibrationPoint, inverse_compute: float, inverse_bandwidth: float | None) -> float:
@@ -827,7 +891,8 @@ def _fitted_seconds(point: CalibrationPoint, coefficients: dict[str, float], inv
     return linear + _compute_excess_seconds(point, inverse_compute, inverse_bandwidth)
 
 
-def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_fit: dict[str, float]) -> float:
+def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_fit: dict[str, float],
+                 bounds: FitBounds = DEFAULT_FIT_BOUNDS) -> float:
     """The inverse compute rate that best explains what the memory fit leaves, or 0 if none earns its place.
 
     A 1-D search: for each rate the memory terms are refitted to what the compute excess leaves."""
@@ -836,6 +901,8 @@ def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_
     baseline = _squared_residuals(points, memory_fit, 0.0)
     best, best_residuals = 0.0, baseline * (1.0 - _COMPUTE_MIN_IMPROVEMENT)
     for flops in _COMPUTE_GRID_FLOPS:
+        if flops > bounds.max_compute_flops_per_second:
+            break
         inverse_compute = 1.0 / flops
         coefficients = {"inverse_bandwidth": memory_fit["inverse_bandwidth"]}
         for _ in range(3):  # which points are compute-bound depends on the bandwidth, and back
@@ -845,7 +912,8 @@ def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_
                 solution = _least_squares(rows, [p.itl_seconds - e for p, e in zip(points, excess)])
             except InputError:
                 break
-            if solution[0] <= 0 or any(value < 0 for value in solution[1:]):
+            if solution[0] <= 0 or 1.0 / solution[0] > bounds.max_bandwidth_bytes_per_second or any(
+                    not 0 <= value <= bounds.upper(term) for value, term in zip(solution[1:], terms, strict=True)):
                 break
             coefficients = {"inverse_bandwidth": solution[0], **dict(zip(terms, solution[1:]))}
         if len(coefficients) != len(terms) + 1:
@@ -867,10 +935,10 @@ def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) ->
     scaled = [[row[j] / scales[j] for j in range(width)] for row in rows]
     gram = [[sum(r[i] * r[j] for r in scaled) for j in range(width)] for i in range(width)]
     moments = [sum(r[i] * t for r, t in zip(scaled, targets)) for i in range(width)]
-    return [value / scale for value, scale in zip(_solve(gram, moments), scales)]
+    return [value / scale for value, scale in zip(solve_linear(gram, moments), scales)]
 
 
-def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+def solve_linear(matrix: list[list[float]], vector: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting; a singular system is an InputError."""
     size = len(vector)
     augmented = [row[:] + [value] for row, value in zip(matrix, vector)]

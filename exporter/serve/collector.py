@@ -82,7 +82,17 @@ PER_TARGET: tuple[PerTarget, ...] = (
               _field("token_budget_utilization_ratio")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
-BANDWIDTH_HELP = "Effective memory bandwidth the prediction uses, per GPU; label source: configured, calibrated or default (an assumption)."
+BANDWIDTH_HELP = ("Effective memory bandwidth the prediction uses, per GPU; label source: configured, calibrated, "
+                  "default (an assumption) or online (fitted from the daemon's own windows).")
+# Per deployment, the other fitted terms the prediction uses, with the same source label, and the online fit.
+PARAMETER_FAMILIES = (
+    ("stepbudget_step_overhead_seconds", "Per-step overhead the prediction uses (scheduling, launches).",
+     "step_overhead_seconds"),
+    ("stepbudget_per_request_seconds", "Per-running-request cost per step the prediction uses (sampling, bookkeeping).",
+     "per_request_seconds"),
+    ("stepbudget_effective_compute_flops_per_second", "Effective dense compute the prediction uses, per GPU.",
+     "effective_compute_flops_per_second"),
+)
 
 
 class StepBudgetCollector(Collector):
@@ -95,11 +105,12 @@ class StepBudgetCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return []  # no auto-describe: collecting at registration would be pointless work
 
-    def generation(self) -> tuple[Reading, ...]:
-        """What the families are built from (the deployments never change): equal from one call to
-        the next exactly when collect() would export the same. The poller publishes a new tuple per
-        poll, so between polls this is the same object and comparing it costs nothing."""
-        return tuple(self._readings())
+    def generation(self) -> tuple[object, ...]:
+        """What the families are built from (the readings and the setups the deployments predict with,
+        which the online fit swaps): equal from one call to the next exactly when collect() would export
+        the same. The poller publishes a new tuple per poll, and a refit a new InUse, so between polls
+        these are the same objects and comparing them costs little."""
+        return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments))
 
     def collect(self) -> Iterator[Metric]:
         readings = list(self._readings())
@@ -159,6 +170,29 @@ class StepBudgetCollector(Collector):
         yield kv
         yield weights
         yield info
+        yield from self._parameters()
+
+    def _parameters(self) -> Iterator[Metric]:
+        families = [(Metric(name, help_text + " Label source: configured, calibrated, default or online.", "gauge"),
+                     attribute) for name, help_text, attribute in PARAMETER_FAMILIES]
+        windows = Metric("stepbudget_online_fit_windows", "Windows in the deployment's online fit (0 while the seed "
+                         "is in use).", "gauge")
+        residual = Metric("stepbudget_online_fit_residual_ratio", "Median |relative residual| of the windows in the "
+                          "deployment's online fit.", "gauge")
+        for deployment in self._deployments:
+            setup, source = deployment.predicting_setup()
+            labels = {"deployment": deployment.name}
+            for family, attribute in families:
+                family.add_sample(family.name, {**labels, "source": source}, float(getattr(setup, attribute)))
+            in_use = deployment.setup_in_use.get()
+            if in_use is not None:
+                windows.add_sample(windows.name, labels, float(in_use.fit_windows))
+                if in_use.fit_residual_ratio is not None:
+                    residual.add_sample(residual.name, labels, in_use.fit_residual_ratio)
+        for family, _ in families:
+            yield family
+        yield windows
+        yield residual
 
 
 class PageRegistry(CollectorRegistry):

@@ -32,8 +32,10 @@ from exporter.config_validators import (
 )
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.errors import InputError
-from exporter.capacity.model import Architecture
+from exporter.capacity.model import Architecture, ServingSetup
 from exporter.capacity.presets import get_gpu
+from exporter.serve.online_calibration import SetupInUse
+from exporter.serve.online_calibration import Settings as OnlineSettings
 from exporter.serve.sharding import SHARD_SECTION
 
 # The public names; ConfigError, Key, REQUIRED, Section, Table, Where, LineDict and `section` are
@@ -129,11 +131,24 @@ TARGETS_KEYS: Table = {
                       "read the engines' series from Prometheus's query API instead of fetching pages "
                       "(each `instance` is a target; docs/scaling.md)"),
 }
+# Every key defaults to None so a deployment's section overrides `defaults` key by key; the built-in
+# defaults (in exporter.serve.online_calibration.Settings) apply where neither says.
+ONLINE_CALIBRATION_KEYS: Table = {
+    "enabled": Key(boolean, None, "fit the step's terms from the daemon's own windows (default true)"),
+    "history": Key(duration, None, "windows this far back are fitted (default 6h)"),
+    "holdout": Key(duration, None, "the most recent windows left out of the fit, so a sudden change shows as "
+                                    "prediction error first (default 30m)"),
+    "min_windows": Key(whole_positive, None, "the fit replaces the seed only with this many windows (default 30)"),
+    "prometheus_url": Key(url, None, "Prometheus holding this daemon's own series: the fit is seeded from "
+                                     "them at start-up (query_range over `history`)"),
+}
 DEFAULTS_KEYS: Table = {
     "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
     "headroom": Key(ratio, model.DEFAULT_HEADROOM, "share of each step's budget kept for decode (the rest for prompt chunks)"),
     "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY, "effective/peak memory bandwidth when not configured or calibrated"),
     "compute_efficiency": Key(ratio, model.DEFAULT_COMPUTE_EFFICIENCY, "effective/peak dense compute"),
+    "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
+                              "online calibration for every deployment (docs/operations.md)"),
 }
 DEPLOYMENT_KEYS: Table = {
     "name": Key(string, REQUIRED, "deployment name (the `deployment` label)"),
@@ -142,16 +157,21 @@ DEPLOYMENT_KEYS: Table = {
     "gpu": Key(string, REQUIRED, "GPU preset name"),
     "gpu_memory": Key(size, None, "GPU memory, overriding the preset's (e.g. `80GB`, a MIG slice)"),
     "tensor_parallel": Key(whole_positive, 1, "GPUs per replica"),
-    "weight_dtype": Key(string, "bf16", "weight dtype: bf16, fp16, fp8, int8, int4, awq, gptq"),
+    "weight_dtype": Key(string, None, "weight dtype: bf16, fp16, fp8, int8, int4, awq, gptq (default: the checkpoint's "
+                                      "quantization_config, else bf16)"),
     "kv_cache_dtype": Key(string, "auto", "KV cache dtype: auto (16-bit), fp8, ..."),
     "gpu_memory_utilization": Key(ratio, 0.9, "vLLM's --gpu-memory-utilization (capacity when the page lacks it)"),
     "effective_bandwidth": Key(bandwidth, None, "effective memory bandwidth per GPU in bytes/s (source `configured`)"),
     "bandwidth_efficiency": Key(ratio, None, "overrides defaults.bandwidth_efficiency for this deployment"),
     "compute_efficiency": Key(ratio, None, "overrides defaults.compute_efficiency for this deployment"),
     "step_overhead": Key(non_negative_seconds, None, "fixed per-step overhead (seconds or a duration like `2ms`)"),
-    "calibration": Key(existing_file, None, "`stepbudget calibrate --json` output: sets bandwidth and overhead (source `calibrated`)"),
+    "calibration": Key(existing_file, None,
+                       "`stepbudget calibrate --json` output: sets bandwidth, overhead, per-request cost and compute "
+                       "where fitted (source `calibrated`)"),
     "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
     "headroom": Key(ratio, None, "overrides defaults.headroom"),
+    "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
+                              "overrides defaults.online_calibration key by key"),
     "kind": Key(choice(*SERVER_KINDS), "auto", "the servers' page format: auto, vllm, sglang, tgi"),
     "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
     "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
@@ -290,6 +310,16 @@ class Deployment:
     auth: Auth = field(default_factory=Auth)
     tls: Tls = field(default_factory=Tls)
     prometheus: PrometheusTargets | None = None
+    online_calibration: OnlineSettings | None = None
+    # The setup predictions use now: the seed until the online fit replaces it (exporter.serve.online_calibration).
+    setup_in_use: SetupInUse = field(default_factory=SetupInUse, compare=False, repr=False)
+
+    def predicting_setup(self) -> tuple[ServingSetup, str]:
+        """The setup to predict with and the source of its rates (`online` once the fit replaced the seed)."""
+        in_use = self.setup_in_use.get()
+        if in_use is None:
+            return self.resolved.setup, self.resolved.bandwidth_source
+        return in_use.setup, in_use.source
 
     @property
     def mode(self) -> str:
@@ -343,10 +373,23 @@ CALIBRATION_NUMBERS: dict[str, Parser] = {
     "tolerance_ratio": positive,
 }
 CALIBRATION_REQUIRED_KEYS = (*CALIBRATION_NUMBERS, "agrees")
+# Written by calibrations that fit them; absent or null: not fitted (0 per-request cost, compute from efficiency).
+CALIBRATION_OPTIONAL_NUMBERS: dict[str, Parser] = {
+    "per_request_seconds": non_negative,
+    "effective_compute_flops_per_second": positive,
+}
 
 
-def _calibration_values(path: str, deployment: str, where: Where) -> tuple[float, float]:
-    """Bandwidth and overhead from `stepbudget calibrate --json` output that calibrate itself accepted."""
+@dataclass(frozen=True)
+class CalibrationValues:
+    bandwidth_bytes_per_second: float
+    step_overhead_seconds: float
+    per_request_seconds: float = 0.0
+    compute_flops_per_second: float | None = None
+
+
+def _calibration_values(path: str, deployment: str, where: Where) -> CalibrationValues:
+    """The fitted terms from `stepbudget calibrate --json` output that calibrate itself accepted."""
 
     def refuse(problem: str) -> ConfigError:
         return where.error(f"deployment {deployment!r}: calibration file {path!r} {problem}")
@@ -367,6 +410,12 @@ def _calibration_values(path: str, deployment: str, where: Where) -> tuple[float
             numbers[key] = parse(document[key], where)
         except Invalid as bad:
             raise refuse(f"has an unusable {key}: {bad}") from None
+    optional: dict[str, float | None] = {}
+    for key, parse in CALIBRATION_OPTIONAL_NUMBERS.items():
+        try:
+            optional[key] = None if document.get(key) is None else parse(document[key], where)
+        except Invalid as bad:
+            raise refuse(f"has an unusable {key}: {bad} (null when not fitted)") from None
     agrees, spread, tolerance = document["agrees"], numbers["spread_ratio"], numbers["tolerance_ratio"]
     if not isinstance(agrees, bool):
         raise refuse(f"has an unusable agrees: expected true or false, got {agrees!r}")
@@ -377,18 +426,22 @@ def _calibration_values(path: str, deployment: str, where: Where) -> tuple[float
         raise refuse(f"was rejected by `stepbudget calibrate` (agrees: false): its points' bandwidths spread "
                      f"{spread:.1%}, more than the {tolerance:.0%} tolerance, so no one bandwidth describes that "
                      "server; re-run `stepbudget calibrate` (its notes name likely causes) and use a file it accepts")
-    return numbers["effective_bandwidth_bytes_per_second"], numbers["step_overhead_seconds"]
+    return CalibrationValues(numbers["effective_bandwidth_bytes_per_second"], numbers["step_overhead_seconds"],
+                             optional["per_request_seconds"] or 0.0, optional["effective_compute_flops_per_second"])
 
 
 def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Where) -> Deployment:
     lines = getattr(raw, "key_lines", {})
     bandwidth, overhead, calibrated = raw["effective_bandwidth"], raw["step_overhead"], False
+    per_request, compute = 0.0, None
     if raw["calibration"] is not None:
         if bandwidth is not None:
             raise where.error("give effective_bandwidth or calibration, not both")
-        bandwidth, calibrated_overhead = _calibration_values(raw["calibration"], raw["name"],
-                                                             where.child("calibration", lines.get("calibration")))
-        overhead = calibrated_overhead if overhead is None else overhead
+        values = _calibration_values(raw["calibration"], raw["name"],
+                                     where.child("calibration", lines.get("calibration")))
+        bandwidth = values.bandwidth_bytes_per_second
+        overhead = values.step_overhead_seconds if overhead is None else overhead
+        per_request, compute = values.per_request_seconds, values.compute_flops_per_second
         calibrated = True
 
     def at_key(key: str, check: Callable[[], Any]) -> Any:
@@ -414,6 +467,8 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
             bandwidth_efficiency=raw["bandwidth_efficiency"] or defaults["bandwidth_efficiency"],
             compute_efficiency=raw["compute_efficiency"] or defaults["compute_efficiency"],
             step_overhead_seconds=overhead or 0.0,
+            per_request_seconds=per_request,
+            compute_flops_per_second=compute,
         )
     except InputError as error:
         raise where.error(str(error)) from None
@@ -431,7 +486,20 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         kubernetes=KubernetesTargets(**targets["kubernetes"]) if targets["kubernetes"] else None,
         auth=deployment_auth, tls=deployment_tls,
         prometheus=_prometheus_targets(targets["prometheus"], deployment_auth, deployment_tls),
+        online_calibration=online_settings(raw["online_calibration"], defaults["online_calibration"]),
     )
+
+
+def online_settings(own: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None) -> OnlineSettings:
+    """A deployment's `online_calibration`, key by key over `defaults.online_calibration`."""
+    built_in = OnlineSettings()
+    values: dict[str, Any] = {}
+    for key, field_name in (("enabled", "enabled"), ("history", "history_seconds"), ("holdout", "holdout_seconds"),
+                            ("min_windows", "min_windows"), ("prometheus_url", "prometheus_url")):
+        chosen = next((section_[key] for section_ in (own, defaults) if section_ and section_[key] is not None),
+                      getattr(built_in, field_name))
+        values[field_name] = chosen
+    return OnlineSettings(**values)
 
 
 def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls) -> PrometheusTargets | None:

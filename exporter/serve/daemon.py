@@ -30,6 +30,8 @@ from exporter.serve.config import (
 from exporter.serve.discovery import Discovery
 from exporter.errors import InputError
 from exporter.logs import configure_logging
+from exporter.serve.online_calibration import OnlineCalibrator
+from exporter.serve.online_seed import start_seeding
 from exporter.serve.poller import HttpFetcher, Poller
 from exporter.serve.prometheus_source import PrometheusSource
 from exporter.serve.server import Response, StepBudgetServer, TargetRow
@@ -150,6 +152,11 @@ def build_daemon(config: Config) -> Daemon:
     # to Alertmanager only when `alerting.alertmanager_urls` is set.
     alert_loop = AlertLoop(config.alerting, poll_interval_seconds=config.poll_interval_seconds,
                            generator_url=f"http://{host or _hostname()}:{server.port}/")
+    calibrator = OnlineCalibrator(config.deployments)
+    if calibrator.deployments:
+        # Before the alert loop, so a poll's refit is in place for the next poll's predictions.
+        poller.add_listener(calibrator.on_poll)
+        start_seeding(calibrator)
     poller.add_listener(alert_loop.on_poll)
     server.register_route("GET", "/api/v1/alerts", lambda request: _alerts_response(alert_loop))
     return Daemon(config, poller, server, alert_loop, fetcher, sources)

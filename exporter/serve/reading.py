@@ -85,6 +85,9 @@ class Reading:
     # ESTIMATE_REASONS; exported as stepbudget_estimated_info.
     estimated: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The window's mix of steps by prefill tokens ((tokens, share) pairs; not exported): what the
+    # online calibration fits the mean step with, as the prediction does.
+    prefill_mix: tuple[tuple[float, float], ...] | None = None
     # Exported values left out for a lasting reason (the page lacks them, or gives unusable numbers).
     lacking: tuple[str, ...] = field(default_factory=tuple)
 
@@ -181,7 +184,8 @@ def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapsh
                    now_seconds: float, scrape_duration_seconds: float) -> Reading:
     """Everything derivable from one snapshot, its window over the previous one, and the model."""
     notes: list[str] = list(snapshot.missing)
-    setup = page_setup(deployment.resolved.setup, snapshot.kv_cache_dtype, snapshot.block_size_tokens)
+    predicting, rates_source = deployment.predicting_setup()  # the online fit's once it replaced the seed
+    setup = page_setup(predicting, snapshot.kv_cache_dtype, snapshot.block_size_tokens)
     running = _valid(snapshot.requests_running, "requests_running", notes)
     waiting = _valid(snapshot.requests_waiting, "requests_waiting", notes)
     occupancy = _occupancy(setup, snapshot, running, notes)
@@ -218,7 +222,7 @@ def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapsh
         measured_step_seconds=measured_mean, measured_step_median_seconds=measured_median,
         step_budget_seconds=budget_seconds,
         effective_bandwidth_bytes_per_second=setup.effective_bandwidth_bytes_per_second,
-        bandwidth_source=deployment.resolved.bandwidth_source, kind=snapshot.kind,
+        bandwidth_source=rates_source, kind=snapshot.kind,
         kv_cache_dtype=snapshot.kv_cache_dtype, block_size_tokens=setup.block_size_tokens,
         estimated=occupancy.estimated,
     )
@@ -245,6 +249,7 @@ def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapsh
         token_budget_tokens=token_budget,
         token_budget_utilization_ratio=tokens / token_budget if token_budget else None,
         notes=tuple(notes),
+        prefill_mix=tuple(prefill_mix) if prefill_mix else None,
     )
     return replace(reading, lacking=_lacking(reading, snapshot))
 

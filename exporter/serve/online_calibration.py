@@ -1,0 +1,518 @@
+"""Online calibration: the daemon fits the step's terms from the windows it measures.
+
+Each poll window of an engine is one observation: tokens in flight, running requests, prompt tokens
+per step and the measured mean step. Per deployment, the windows of the last `history` except the
+most recent `holdout` are fitted (bandwidth, per-step overhead, per-request cost and, where windows
+are compute-bound, the compute rate), so that a sudden change shows as prediction error (and
+StepBudgetPredictionDrift) for `holdout` before the fit absorbs it.
+
+The fit (`fit_windows`) is pure: robust (Huber weights on relative residuals, windows past six robust
+standard deviations left out: restarts, preemption storms), held near the seed in the directions the
+windows cannot tell apart (a ridge of 0.1% of the data's own weight toward the seed), and bounded to
+physically sane values (`model.FitBounds`; bandwidth and compute at least 5% of peak). It replaces the seed only with
+`min_windows` windows whose tokens in flight spread enough. `OnlineCalibrator` is the wiring: it
+collects the windows from the poller's readings, refits, swaps the setup the deployment predicts
+with (`SetupInUse`) and logs every refit that moves a parameter by more than 5%.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import structlog
+
+from exporter.capacity import model
+from exporter.errors import InputError
+
+if TYPE_CHECKING:
+    from exporter.serve.config import Deployment
+    from exporter.serve.poller import PollResult
+    from exporter.serve.reading import Reading
+
+log = structlog.get_logger("stepbudget.online_calibration")
+
+ONLINE_SOURCE = "online"
+DEFAULT_HISTORY_SECONDS = 6 * 3600.0
+DEFAULT_HOLDOUT_SECONDS = 1800.0
+DEFAULT_MIN_WINDOWS = 30
+# Tokens in flight must spread this much ((90th - 10th percentile) / median) for the windows to tell
+# the fixed costs from the bytes: a single load level fits any split between them.
+MIN_TOKENS_SPREAD_RATIO = 0.05
+LOG_CHANGE_RATIO = 0.05  # a refit that moves a parameter by more than this is logged
+MIN_RATE_SHARE_OF_PEAK = 0.05  # fitted bandwidth and compute: at least this share of the datasheet peak
+_HUBER_K = 1.345
+_OUTLIER_SIGMAS = 6.0
+_MIN_SCALE = 0.01  # relative residual scale floor: 1% noise
+_RIDGE = 1e-3  # pull toward the seed, relative to the data's own curvature in each direction
+_COMPUTE_FACTORS = (0.5, 0.7, 1.0, 1.4, 2.0)  # compute rates tried, times the seed's
+_COMPUTE_MIN_GAIN = 0.9  # a compute rate other than the seed's must cut the robust loss by 10%
+_IRLS_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`online_calibration` of one deployment (defaults merged with its own)."""
+
+    enabled: bool = True
+    history_seconds: float = DEFAULT_HISTORY_SECONDS
+    holdout_seconds: float = DEFAULT_HOLDOUT_SECONDS
+    min_windows: int = DEFAULT_MIN_WINDOWS
+    prometheus_url: str | None = None
+
+
+@dataclass(frozen=True)
+class FitWindow:
+    """One poll window of one engine: what it held and how long its steps took on average."""
+
+    end_seconds: float
+    tokens_in_flight: float
+    running: float
+    prefill_tokens_per_step: float
+    measured_step_seconds: float
+    # The window's steps by prefill tokens ((tokens, share) pairs), where the page has the histogram:
+    # a few steps with big chunks cost more than the same tokens spread evenly (compute-bound GEMMs).
+    prefill_mix: tuple[tuple[float, float], ...] | None = None
+
+    @property
+    def usable(self) -> bool:
+        numbers = (self.end_seconds, self.tokens_in_flight, self.running, self.prefill_tokens_per_step,
+                   self.measured_step_seconds)
+        return (all(math.isfinite(value) for value in numbers) and self.running >= 1
+                and self.tokens_in_flight >= 0 and self.prefill_tokens_per_step >= 0
+                and 0 < self.measured_step_seconds < 60)
+
+
+@dataclass(frozen=True)
+class Parameters:
+    bandwidth_bytes_per_second: float
+    step_overhead_seconds: float
+    per_request_seconds: float
+    compute_flops_per_second: float
+
+    @classmethod
+    def of(cls, setup: model.ServingSetup) -> Parameters:
+        return cls(setup.effective_bandwidth_bytes_per_second, setup.step_overhead_seconds,
+                   setup.per_request_seconds, setup.effective_compute_flops_per_second)
+
+    def applied_to(self, setup: model.ServingSetup) -> model.ServingSetup:
+        return replace(setup, effective_bandwidth_bytes_per_second=self.bandwidth_bytes_per_second,
+                       step_overhead_seconds=self.step_overhead_seconds,
+                       per_request_seconds=self.per_request_seconds,
+                       effective_compute_flops_per_second=self.compute_flops_per_second)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"bandwidth_bytes_per_second": self.bandwidth_bytes_per_second,
+                "step_overhead_seconds": self.step_overhead_seconds,
+                "per_request_seconds": self.per_request_seconds,
+                "compute_flops_per_second": self.compute_flops_per_second}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A fit's outcome. `parameters` is None when the seed stays (`reason` says why)."""
+
+    parameters: Parameters | None
+    windows: int  # windows offered (inside history, outside the holdout)
+    windows_used: int  # after leaving out the outliers
+    residual_ratio: float | None  # median |relative residual| of the windows used
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Sane ranges, from the GPU's datasheet peaks and model.FitBounds."""
+
+    min_bandwidth: float
+    max_bandwidth: float
+    max_overhead: float
+    max_per_request: float
+    min_compute: float
+    max_compute: float
+
+    @classmethod
+    def of(cls, peak_bandwidth: float, peak_compute: float,
+           fit_bounds: model.FitBounds = model.DEFAULT_FIT_BOUNDS) -> Bounds:
+        return cls(MIN_RATE_SHARE_OF_PEAK * peak_bandwidth, peak_bandwidth, fit_bounds.max_step_overhead_seconds,
+                   fit_bounds.max_per_request_seconds, MIN_RATE_SHARE_OF_PEAK * peak_compute, peak_compute)
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """What the model says one kind of step in a window did, independent of the fitted rates."""
+
+    share: float
+    weight_bytes: float
+    kv_bytes: float
+    gemm_flops: float
+    attention_flops: float
+
+
+@dataclass(frozen=True)
+class _Columns:
+    seconds: float
+    running: float
+    phases: tuple[_Phase, ...]
+
+
+def _columns(seed: model.ServingSetup, window: FitWindow) -> _Columns:
+    groups = model.groups_from_total(window.tokens_in_flight, window.running)
+    mix = window.prefill_mix or ((window.prefill_tokens_per_step, 1.0),)
+    total = sum(share for _, share in mix) or 1.0
+    compute = seed.effective_compute_flops_per_second
+    phases, running = [], 0.0
+    for tokens, share in mix:
+        step = model.predict_step(seed, groups, tokens)
+        running = step.decode_tokens
+        phases.append(_Phase(share / total, step.weight_read_bytes, step.kv_read_bytes,
+                             step.gemm_compute_seconds * compute, step.attention_compute_seconds * compute))
+    return _Columns(window.measured_step_seconds, running, tuple(phases))
+
+
+def _predict(column: _Columns, inverse_bandwidth: float, overhead: float, per_request: float,
+             inverse_compute: float) -> float:
+    return overhead + per_request * column.running + sum(
+        phase.share * (max(phase.weight_bytes * inverse_bandwidth, phase.gemm_flops * inverse_compute)
+                       + max(phase.kv_bytes * inverse_bandwidth, phase.attention_flops * inverse_compute))
+        for phase in column.phases)
+
+
+def tokens_spread_ratio(windows: Sequence[FitWindow]) -> float:
+    """(90th - 10th percentile) / median of the windows' tokens in flight."""
+    tokens = sorted(window.tokens_in_flight for window in windows)
+    if len(tokens) < 2:
+        return 0.0
+    deciles = statistics.quantiles(tokens, n=10, method="inclusive")
+    median = statistics.median(tokens)
+    return (deciles[-1] - deciles[0]) / median if median > 0 else 0.0
+
+
+def fit_windows(seed: model.ServingSetup, windows: Sequence[FitWindow], bounds: Bounds, *,
+                min_windows: int = DEFAULT_MIN_WINDOWS,
+                min_spread: float = MIN_TOKENS_SPREAD_RATIO) -> Fit:
+    """The step's terms that best explain `windows`, robustly, or the seed's with the reason why."""
+    usable = [window for window in windows if window.usable]
+    if len(usable) < min_windows:
+        return Fit(None, len(usable), 0, None, f"{len(usable)} windows, fewer than {min_windows}")
+    spread = tokens_spread_ratio(usable)
+    if spread < min_spread:
+        return Fit(None, len(usable), 0, None,
+                   f"tokens in flight spread {spread:.0%}, less than {min_spread:.0%}: one load level cannot "
+                   "tell fixed costs from bytes")
+    columns = [_columns(seed, window) for window in usable]
+    start = Parameters.of(seed)
+    best: tuple[float, Parameters, int, float] | None = None
+    seed_compute = min(max(start.compute_flops_per_second, bounds.min_compute), bounds.max_compute)
+    # A compute rate only from windows that say how their prefill split into steps: spread evenly over
+    # every step, a few big chunks would read as a slow GPU.
+    mixed = sum(1 for window in usable if window.prefill_mix) * 2 >= len(usable)
+    for factor in _COMPUTE_FACTORS if mixed else (1.0,):
+        compute = min(max(seed_compute * factor, bounds.min_compute), bounds.max_compute)
+        if factor != 1.0 and compute == seed_compute:
+            continue
+        outcome = _robust_fit(columns, start, 1.0 / compute, bounds)
+        if outcome is None:
+            continue
+        loss, parameters, used, residual = outcome
+        if factor != 1.0:
+            loss /= _COMPUTE_MIN_GAIN  # the seed's compute rate unless another clearly explains more
+        if best is None or loss < best[0]:
+            best = (loss, replace(parameters, compute_flops_per_second=compute), used, residual)
+    if best is None:
+        return Fit(None, len(usable), 0, None, "the windows do not determine the step's terms")
+    _, parameters, used, residual = best
+    return Fit(parameters, len(usable), used, residual)
+
+
+def _robust_fit(columns: Sequence[_Columns], start: Parameters, inverse_compute: float, bounds: Bounds
+                ) -> tuple[float, Parameters, int, float] | None:
+    """Iteratively reweighted least squares over (1/bandwidth, overhead, per-request) at one compute rate."""
+    theta = [1.0 / min(max(start.bandwidth_bytes_per_second, bounds.min_bandwidth), bounds.max_bandwidth),
+             min(start.step_overhead_seconds, bounds.max_overhead),
+             min(start.per_request_seconds, bounds.max_per_request)]
+    prior = list(theta)
+    lower = [1.0 / bounds.max_bandwidth, 0.0, 0.0]
+    upper = [1.0 / bounds.min_bandwidth, bounds.max_overhead, bounds.max_per_request]
+    weights = [1.0] * len(columns)
+    for _ in range(_IRLS_ROUNDS):
+        rows, targets = [], []
+        for column in columns:
+            memory_bytes, fixed = 0.0, 0.0
+            for phase in column.phases:  # each phase memory- or compute-bound at the current bandwidth
+                gemm_compute = phase.gemm_flops * inverse_compute
+                attention_compute = phase.attention_flops * inverse_compute
+                if phase.weight_bytes * theta[0] >= gemm_compute:
+                    memory_bytes += phase.share * phase.weight_bytes
+                else:
+                    fixed += phase.share * gemm_compute
+                if phase.kv_bytes * theta[0] >= attention_compute:
+                    memory_bytes += phase.share * phase.kv_bytes
+                else:
+                    fixed += phase.share * attention_compute
+            rows.append((memory_bytes, 1.0, column.running))
+            targets.append(column.seconds - fixed)
+        solved = _bounded_ridge(rows, targets, [w / c.seconds ** 2 for w, c in zip(weights, columns, strict=True)],
+                                prior, lower, upper)
+        if solved is None:
+            return None
+        theta = solved
+        residuals = [(_predict(c, theta[0], theta[1], theta[2], inverse_compute) - c.seconds) / c.seconds
+                     for c in columns]
+        scale = max(_MIN_SCALE, 1.4826 * statistics.median(abs(r) for r in residuals))
+        weights = [0.0 if abs(r) > _OUTLIER_SIGMAS * scale else min(1.0, _HUBER_K * scale / abs(r)) if r else 1.0
+                   for r in residuals]
+    used = [abs(r) for r, w in zip(residuals, weights, strict=True) if w > 0]
+    if not used:
+        return None
+    loss = sum(_huber(r / scale) for r in residuals) * scale ** 2 / len(residuals)
+    parameters = Parameters(1.0 / theta[0], theta[1], theta[2], 1.0 / inverse_compute)
+    return loss, parameters, len(used), statistics.median(used)
+
+
+def _huber(x: float) -> float:
+    if abs(x) > _OUTLIER_SIGMAS:
+        return _HUBER_K * (_OUTLIER_SIGMAS - _HUBER_K / 2)
+    return x * x / 2 if abs(x) <= _HUBER_K else _HUBER_K * (abs(x) - _HUBER_K / 2)
+
+
+def _bounded_ridge(rows: Sequence[tuple[float, float, float]], targets: Sequence[float], weights: Sequence[float],
+                   prior: list[float], lower: list[float], upper: list[float]) -> list[float] | None:
+    """Weighted least squares pulled toward `prior` by a small ridge, each coefficient held inside its
+    bounds: one that leaves them is fixed at the bound and the rest are solved again."""
+    fixed: dict[int, float] = {}
+    for _ in range(4):
+        free = [j for j in range(3) if j not in fixed]
+        if not free:
+            break
+        gram = [[0.0] * len(free) for _ in free]
+        moments = [0.0] * len(free)
+        for row, target, weight in zip(rows, targets, weights, strict=True):
+            if weight <= 0:
+                continue
+            rest = target - sum(row[j] * value for j, value in fixed.items())
+            for a, j in enumerate(free):
+                moments[a] += weight * row[j] * rest
+                for b, k in enumerate(free):
+                    gram[a][b] += weight * row[j] * row[k]
+        scale = [math.sqrt(gram[a][a]) or 1.0 for a in range(len(free))]
+        for a, j in enumerate(free):
+            ridge = _RIDGE * gram[a][a] if gram[a][a] > 0 else 1.0 / (prior[j] or 1.0) ** 2
+            gram[a][a] += ridge
+            moments[a] += ridge * prior[j]
+        scaled = [[gram[a][b] / (scale[a] * scale[b]) for b in range(len(free))] for a in range(len(free))]
+        try:
+            solution = model.solve_linear(scaled, [moments[a] / scale[a] for a in range(len(free))])
+        except InputError:  # singular: nothing to fit
+            return None
+        values = {j: solution[a] / scale[a] for a, j in enumerate(free)}
+        if not all(math.isfinite(value) for value in values.values()):
+            return None
+        outside = {j: min(max(value, lower[j]), upper[j]) for j, value in values.items()
+                   if not lower[j] <= value <= upper[j]}
+        if not outside:
+            return [fixed.get(j, values.get(j, 0.0)) for j in range(3)]
+        fixed.update(outside)
+    return [fixed.get(j, min(max(prior[j], lower[j]), upper[j])) for j in range(3)]
+
+
+# --- the wiring -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InUse:
+    """What a deployment predicts with now: the setup, where its rates came from, and the online fit."""
+
+    setup: model.ServingSetup
+    source: str
+    fit_windows: int = 0
+    fit_residual_ratio: float | None = None
+
+
+class SetupInUse:
+    """The one mutable thing a Deployment carries: the setup it predicts with (the seed until the
+    online fit replaces it). Swapped whole, so a reader sees an old or a new InUse, never a mix."""
+
+    def __init__(self) -> None:
+        self._current: InUse | None = None
+
+    def get(self) -> InUse | None:
+        return self._current
+
+    def set(self, in_use: InUse | None) -> None:
+        self._current = in_use
+
+
+def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> dict[str, list[tuple[tuple[str, ...],
+                                                                                                 FitWindow]]]:
+    """Each up reading with a measured window, by deployment, keyed by engine identity."""
+    found: dict[str, list[tuple[tuple[str, ...], FitWindow]]] = {}
+    for reading in readings:
+        if not reading.target_up or reading.measured_step_seconds is None or reading.tokens_in_flight is None \
+                or reading.requests_running is None:
+            continue  # down, no window yet, or a server-wide series (no tokens of its own)
+        window = FitWindow(reading.last_success_timestamp_seconds or now_seconds, reading.tokens_in_flight,
+                           reading.requests_running, reading.prefill_tokens_per_step or 0.0,
+                           reading.measured_step_seconds, reading.prefill_mix)
+        if window.usable:
+            found.setdefault(reading.deployment, []).append((reading.identity, window))
+    return found
+
+
+class DeploymentCalibration:
+    """One deployment's windows and fit."""
+
+    def __init__(self, deployment: Deployment, settings: Settings, bounds: Bounds) -> None:
+        self.deployment = deployment
+        self.settings = settings
+        self.bounds = bounds
+        self.seed = deployment.resolved.setup
+        self.seed_source = deployment.resolved.bandwidth_source
+        self._windows: deque[FitWindow] = deque()
+        self._seen: dict[tuple[str, ...], float] = {}
+        self._since_refit = 0
+        self.fit: Fit | None = None
+        self.in_use = Parameters.of(self.seed)
+        self.source = self.seed_source
+
+    def add(self, identity: tuple[str, ...], window: FitWindow) -> None:
+        if self._seen.get(identity) == window.end_seconds:
+            return  # the same window published again (no newer scrape)
+        self._seen[identity] = window.end_seconds
+        position = len(self._windows)
+        if self._windows and window.end_seconds < self._windows[-1].end_seconds:
+            position = bisect.bisect([w.end_seconds for w in self._windows], window.end_seconds)
+        self._windows.insert(position, window)
+        self._since_refit += 1
+
+    def windows_for_fit(self, now_seconds: float) -> list[FitWindow]:
+        oldest = now_seconds - self.settings.history_seconds
+        while self._windows and self._windows[0].end_seconds < oldest:
+            self._windows.popleft()
+        newest = now_seconds - self.settings.holdout_seconds
+        return [window for window in self._windows if window.end_seconds <= newest]
+
+    def due(self) -> bool:
+        """Refit after a third of min_windows new windows (at least one): a refit per poll would cost
+        O(windows) each time for no better answer."""
+        return self._since_refit >= max(1, self.settings.min_windows // 3)
+
+    def refit(self, now_seconds: float) -> Fit:
+        self._since_refit = 0
+        fit = fit_windows(self.seed, self.windows_for_fit(now_seconds), self.bounds,
+                          min_windows=self.settings.min_windows)
+        self.fit = fit
+        if fit.parameters is None:
+            return fit
+        old, new = self.in_use, fit.parameters
+        moved = {name: (before, after) for (name, before), after in
+                 zip(old.as_dict().items(), new.as_dict().values(), strict=True)
+                 if abs(after - before) > LOG_CHANGE_RATIO * max(abs(before), 1e-12)}
+        if moved or self.source != ONLINE_SOURCE:
+            log.info("online_calibration_refit", deployment=self.deployment.name, windows=fit.windows_used,
+                     residual_ratio=round(fit.residual_ratio or 0.0, 4),
+                     **{f"{name}_old": before for name, (before, _) in moved.items()},
+                     **{f"{name}_new": after for name, (_, after) in moved.items()})
+        self.in_use, self.source = new, ONLINE_SOURCE
+        return fit
+
+    def publish(self) -> None:
+        fit = self.fit
+        self.deployment.setup_in_use.set(InUse(
+            self.in_use.applied_to(self.seed), self.source,
+            fit.windows_used if fit is not None and fit.parameters is not None else 0,
+            fit.residual_ratio if fit is not None and fit.parameters is not None else None))
+
+
+class OnlineCalibrator:
+    """Every enabled deployment's online fit, fed by the poller's readings (a poll listener)."""
+
+    def __init__(self, deployments: Sequence[Deployment]) -> None:
+        from exporter.capacity.deployment import fit_bounds
+
+        self._lock = threading.Lock()
+        self.deployments: dict[str, DeploymentCalibration] = {}
+        for deployment in deployments:
+            settings = deployment.online_calibration
+            if settings is None or not settings.enabled:
+                continue
+            limits = fit_bounds(deployment.resolved)
+            bounds = Bounds.of(limits.max_bandwidth_bytes_per_second, limits.max_compute_flops_per_second)
+            calibration = DeploymentCalibration(deployment, settings, bounds)
+            calibration.publish()
+            self.deployments[deployment.name] = calibration
+
+    def seed_windows(self, deployment: str, windows: Iterable[tuple[tuple[str, ...], FitWindow]],
+                     now_seconds: float) -> None:
+        """Windows from before this process started (Prometheus): the fit picks up where it was."""
+        with self._lock:
+            calibration = self.deployments.get(deployment)
+            if calibration is None:
+                return
+            for identity, window in windows:
+                calibration.add(identity, window)
+            calibration.refit(now_seconds)
+            calibration.publish()
+
+    def observe(self, readings: Iterable[Reading], now_seconds: float) -> None:
+        with self._lock:
+            for name, windows in windows_from_readings(readings, now_seconds).items():
+                calibration = self.deployments.get(name)
+                if calibration is None:
+                    continue
+                for identity, window in windows:
+                    calibration.add(identity, window)
+            for calibration in self.deployments.values():
+                if calibration.due():
+                    calibration.refit(now_seconds)
+                    calibration.publish()
+
+    def on_poll(self, result: PollResult) -> None:
+        """A Poller listener: the poll's readings, at the poll's end."""
+        self.observe(result.readings, result.finished_at_seconds)
+
+
+def fitted_step_seconds(seed: model.ServingSetup, windows: Sequence[FitWindow], parameters: Parameters) -> list[float]:
+    """What `parameters` predict for each window's mean step (the fit's own model)."""
+    inverse_bandwidth = 1.0 / parameters.bandwidth_bytes_per_second
+    inverse_compute = 1.0 / parameters.compute_flops_per_second
+    return [_predict(_columns(seed, window), inverse_bandwidth, parameters.step_overhead_seconds,
+                     parameters.per_request_seconds, inverse_compute) for window in windows]
+
+
+def calibration_from_fit(seed: model.ServingSetup, windows: Sequence[FitWindow], fit: Fit, where: str,
+                         tolerance: float = model.AGREEMENT_TOLERANCE) -> model.Calibration:
+    """The fit as `calibrate --json` writes it, so it serves as a deployment's calibration file.
+
+    Windows are not lone streams, so their own bandwidths differ by design; the agreement check here
+    is on the fit: `spread_ratio` is the 90th percentile of the windows' |relative residuals|."""
+    if fit.parameters is None:
+        raise InputError(f"no fit from {where}: {fit.reason}")
+    usable = [window for window in windows if window.usable]
+    parameters = fit.parameters
+    fitted = fitted_step_seconds(seed, usable, parameters)
+    points = []
+    for window in usable:
+        step = model.predict_step(seed, model.groups_from_total(window.tokens_in_flight, window.running),
+                                  window.prefill_tokens_per_step)
+        points.append(model.CalibrationPoint(window.measured_step_seconds, window.tokens_in_flight, step.read_bytes,
+                                             max(1.0, window.running), step.weight_read_bytes,
+                                             step.gemm_compute_seconds * seed.effective_compute_flops_per_second))
+    residuals = sorted(abs(f - w.measured_step_seconds) / w.measured_step_seconds
+                       for f, w in zip(fitted, usable, strict=True))
+    spread = statistics.quantiles(residuals, n=10, method="inclusive")[-1] if len(residuals) > 1 else residuals[0]
+    return model.Calibration(
+        effective_bandwidth_bytes_per_second=parameters.bandwidth_bytes_per_second,
+        step_overhead_seconds=parameters.step_overhead_seconds, points=tuple(points), fitted_seconds=tuple(fitted),
+        spread_ratio=spread, tolerance=tolerance, overhead_fitted=True,
+        notes=(f"fitted online from {fit.windows} windows {where} ({fit.windows_used} after leaving out outliers; "
+               f"median |residual| {fit.residual_ratio or 0.0:.1%}); spread_ratio is the 90th percentile of the "
+               "windows' |relative residuals|, not the spread of lone streams' bandwidths",),
+        per_request_seconds=parameters.per_request_seconds, per_request_fitted=True,
+        effective_compute_flops_per_second=parameters.compute_flops_per_second,
+    )

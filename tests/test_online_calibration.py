@@ -1,0 +1,384 @@
+"""Online calibration: the daemon fits the step's terms from its own windows (issue 13, item 3).
+
+Live claims run the daemon's own pipeline in simulated time, as tests/test_simulator_tracking.py does
+(simulator page -> read_page -> compute_window -> derive_reading -> the calibrator as a poll listener),
+starting from the default bandwidth (no calibration). The ground truth of each window is the mean of
+the simulator's ITL observations in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import cache
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from structlog.testing import capture_logs
+
+from exporter import cli
+from exporter.capacity import model
+from exporter.serve import online_seed
+from exporter.serve.alerting import AlertLoop, packaged_rules
+from exporter.serve.collector import make_registry
+from exporter.serve.config import Alerting, Deployment, config_from_mapping
+from exporter.serve.online_calibration import (
+    ONLINE_SOURCE,
+    Bounds,
+    FitWindow,
+    OnlineCalibrator,
+    Parameters,
+    fit_windows,
+)
+from exporter.serve.reading import Reading
+from exporter.simulator import ServerSpec, Simulator, load_scenario
+from exporter.simulator.hardware import StepCost
+from tests.support.simulated_polls import TARGET_URL, simulated_polls
+
+POLL_SECONDS = 5.0
+URL = TARGET_URL
+H100_BANDWIDTH, H100_BF16 = 3.35e12, 989e12
+
+
+def _config(online: dict[str, Any]) -> Deployment:
+    config = config_from_mapping({"defaults": {"online_calibration": online}, "deployments": [{
+        "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": [URL]}}]})
+    return config.deployments[0]
+
+
+@dataclass(frozen=True)
+class Poll:
+    seconds: float
+    reading: Reading
+    true_mean_seconds: float | None
+
+    @property
+    def error(self) -> float | None:
+        if self.reading.predicted_step_seconds is None or not self.true_mean_seconds:
+            return None
+        return (self.reading.predicted_step_seconds - self.true_mean_seconds) / self.true_mean_seconds
+
+
+class _Slower:
+    """A GPU `factor` times slower than the simulator's, from `since` on."""
+
+    def __init__(self, physics: Any, factor: float) -> None:
+        self.physics, self.factor = physics, factor
+
+    def step_cost(self, sequences: list[Any]) -> StepCost:
+        cost = self.physics.step_cost(sequences)
+        return replace(cost, seconds=cost.seconds * self.factor)
+
+
+class _StandIn:
+    """A server whose physics is neither the model's nor the simulator's: a 2.5 ms step overhead,
+    60 us per running request, weights at 55% and the KV cache at 80% of the peak bandwidth, GEMMs at
+    40% of the dense peak overlapping fully with memory, and a step that grows 1% per 64 running
+    requests beyond that (scheduler and sampling batches)."""
+
+    def __init__(self, physics: Any) -> None:
+        self.physics = physics
+
+    def step_cost(self, sequences: list[Any]) -> StepCost:
+        base = self.physics.step_cost(sequences)  # for its byte and FLOP counts, not its time
+        sim_compute = self.physics.compute_flops_per_second
+        running = sum(1 for s in sequences if s.new_tokens == 1) or len(sequences)
+        memory = base.weight_read_bytes / (0.55 * H100_BANDWIDTH) + base.kv_read_bytes / (0.80 * H100_BANDWIDTH)
+        compute = base.compute_seconds * sim_compute / (0.40 * H100_BF16)
+        seconds = (2.5e-3 + 60e-6 * len(sequences) + max(memory, compute)) * (1 + 0.01 * running / 64)
+        return replace(base, seconds=seconds, overhead_seconds=2.5e-3 + 60e-6 * len(sequences))
+
+
+def _run(scenario: str, until: float, online: dict[str, Any], *, physics: Callable[[Any], Any] | None = None,
+         change_at: float | None = None, change: Callable[[Any], Any] | None = None,
+         alert_loop: Any = None, poll: float = POLL_SECONDS
+         ) -> tuple[list[Poll], OnlineCalibrator, Deployment]:
+    deployment = _config(online)
+    calibrator = OnlineCalibrator([deployment])
+    sim = Simulator(ServerSpec(), load_scenario(scenario), record_steps=True)
+    engine = sim.engines[0]
+    if physics is not None:
+        engine.physics = physics(engine.physics)
+
+    def before(start: float, end: float) -> None:
+        if change_at is not None and change is not None and start <= change_at < end:
+            sim.run_until(change_at)
+            engine.physics = change(engine.physics)
+
+    polls: list[Poll] = []
+    for sampled in simulated_polls(sim, deployment, poll, until, before=before):
+        observations = [s.seconds for s in sampled.steps for _ in range(s.decode_tokens)]
+        polls.append(Poll(sampled.seconds, sampled.reading, statistics.fmean(observations) if observations else None))
+        calibrator.observe([sampled.reading], sampled.seconds)
+        if alert_loop is not None:
+            alert_loop.evaluate([sampled.reading], sampled.seconds)
+    return polls, calibrator, deployment
+
+
+def _median_abs_error(polls: list[Poll], start: float, end: float, poll: float = POLL_SECONDS) -> float:
+    errors = [abs(e) for p in polls if start < p.seconds <= end and (e := p.error) is not None]
+    assert len(errors) >= (end - start) / poll * 0.8
+    return statistics.median(errors)
+
+
+LIVE = {"history": "10m", "holdout": "1m", "min_windows": 30}
+
+
+@cache
+def _live(scenario: str) -> tuple[list[Poll], OnlineCalibrator, Deployment]:
+    return _run(scenario, 900.0, LIVE)
+
+
+@pytest.mark.parametrize("scenario", ["steady-chat", "agents-join"])
+def test_from_the_default_bandwidth_the_fit_tracks_within_5_percent_after_15_minutes(scenario: str) -> None:
+    polls, _, deployment = _live(scenario)
+    assert polls[1].reading.bandwidth_source == "default"
+    assert polls[-1].reading.bandwidth_source == ONLINE_SOURCE
+    assert _median_abs_error(polls, 600.0, 900.0) <= 0.05
+    in_use = deployment.setup_in_use.get()
+    assert in_use is not None and in_use.source == ONLINE_SOURCE and in_use.fit_windows >= 30
+    # The token budget follows the fitted setup.
+    last = polls[-1].reading
+    assert last.token_budget_tokens == pytest.approx(
+        model.token_budget_tokens(in_use.setup, deployment.step_budget_seconds,
+                                  last.tokens_in_flight / last.requests_running), rel=1e-6)
+
+
+def test_the_export_says_which_parameters_are_in_use_and_their_source() -> None:
+    polls, _, deployment = _live("steady-chat")
+    page = generate_latest(make_registry(lambda: [polls[-1].reading], [deployment])).decode()
+    for name in ("stepbudget_effective_bandwidth_bytes_per_second", "stepbudget_step_overhead_seconds",
+                 "stepbudget_per_request_seconds", "stepbudget_effective_compute_flops_per_second"):
+        assert any(line.startswith(name + "{") and 'source="online"' in line for line in page.splitlines()), name
+    assert 'stepbudget_online_fit_windows{deployment="pool"}' in page
+    assert 'stepbudget_online_fit_residual_ratio{deployment="pool"}' in page
+
+
+def test_a_30_percent_slower_gpu_shows_as_drift_before_the_holdout_and_is_absorbed_after() -> None:
+    """Scaled down in time: holdout 2 min and the drift alert's `for` 1 min (the product: 30 min and 15 min)."""
+    change_at, holdout, history, poll = 330.0, 120.0, 360.0, 2.5
+    rules = tuple(replace(rule, for_seconds=60.0) if rule.name == "StepBudgetPredictionDrift" else rule
+                  for rule in packaged_rules())
+    alerts = _DriftWatch(AlertLoop(Alerting(), poll_interval_seconds=poll, rules=rules))
+    polls, _, _ = _run("steady-chat", change_at + holdout + history, {"history": "6m", "holdout": "2m"},
+                       change_at=change_at, change=lambda physics: _Slower(physics, 1.3), alert_loop=alerts, poll=poll)
+    assert _median_abs_error(polls, change_at - 60, change_at, poll) <= 0.05  # converged before the change
+    during = [p.error for p in polls if change_at + poll < p.seconds <= change_at + holdout]
+    assert all(e is not None and e < -0.15 for e in during), during  # predicted ~23% too fast
+    assert alerts.fired_at is not None and change_at < alerts.fired_at < change_at + holdout
+    end = change_at + holdout + history
+    assert _median_abs_error(polls, end - 60, end, poll) <= 0.05
+
+
+class _DriftWatch:
+    """The alert loop, noting when StepBudgetPredictionDrift first fires."""
+
+    def __init__(self, loop: AlertLoop) -> None:
+        self.loop, self.fired_at = loop, None
+
+    def evaluate(self, readings: Any, now: float) -> None:
+        self.loop.evaluate(readings, now)
+        if self.fired_at is None and any(a["alertname"] == "StepBudgetPredictionDrift" for a in self.loop.firing()):
+            self.fired_at = now
+
+
+def test_a_server_with_other_physics_and_a_per_request_cost_converges_the_same_way() -> None:
+    polls, calibrator, _ = _run("agents-join", 900.0, LIVE, physics=_StandIn)
+    assert _median_abs_error(polls, 600.0, 900.0) <= 0.05
+    fitted = calibrator.deployments["pool"].in_use
+    assert fitted.per_request_seconds > 0
+
+
+# --- the pure fit ---------------------------------------------------------------------------------
+
+SEED = _config({}).resolved.setup
+BOUNDS = Bounds.of(H100_BANDWIDTH, H100_BF16)
+TRUTH = Parameters(2.2e12, 2e-3, 40e-6, SEED.effective_compute_flops_per_second)
+
+
+def _window(t: float, tokens: float, running: float, truth: Parameters = TRUTH, scale: float = 1.0) -> FitWindow:
+    setup = truth.applied_to(SEED)
+    step = model.predict_step(setup, model.groups_from_total(tokens, running)).step_seconds
+    return FitWindow(t, tokens, running, 0.0, step * scale)
+
+
+def test_a_single_load_level_keeps_the_seed() -> None:
+    windows = [_window(t, 80_000, 40) for t in range(100)]
+    fit = fit_windows(SEED, windows, BOUNDS)
+    assert fit.parameters is None and "spread" in fit.reason
+
+
+def test_too_few_windows_keep_the_seed() -> None:
+    fit = fit_windows(SEED, [_window(t, 10_000 * (1 + t), 10 + t) for t in range(10)], BOUNDS, min_windows=30)
+    assert fit.parameters is None and "fewer than 30" in fit.reason
+
+
+def test_restarts_and_preemption_storms_do_not_drag_the_fit() -> None:
+    windows = [_window(t, 20_000 + 2_000 * (t % 40), 10 + (t * 7) % 50) for t in range(200)]
+    for t in range(0, 200, 10):  # one window in ten: a restart's first window or a preemption storm
+        slow = 5 if t % 20 else 0.2
+        windows[t] = replace(windows[t], measured_step_seconds=windows[t].measured_step_seconds * slow)
+    fit = fit_windows(SEED, windows, BOUNDS)
+    assert fit.parameters is not None
+    clean = [_window(t, 20_000 + 2_000 * (t % 40), 10 + (t * 7) % 50) for t in range(200)]
+    fitted = fit.parameters.applied_to(SEED)
+    for window in clean:
+        predicted = model.predict_step(fitted, model.groups_from_total(window.tokens_in_flight, window.running))
+        assert predicted.step_seconds == pytest.approx(window.measured_step_seconds, rel=0.02)
+    assert fit.windows_used <= 190
+
+
+def test_a_refit_that_moves_a_parameter_by_more_than_5_percent_is_logged_old_and_new() -> None:
+    deployment = _config({"min_windows": 30, "history": "1h", "holdout": "5s"})
+    calibrator = OnlineCalibrator([deployment])
+    calibration = calibrator.deployments["pool"]
+    with capture_logs() as logs:
+        for t in range(60):
+            calibration.add(("a",), _window(float(t), 20_000 + 3_000 * (t % 13), 10 + (t * 7) % 40))
+        calibration.refit(100.0)
+    refits = [entry for entry in logs if entry["event"] == "online_calibration_refit"]
+    assert refits and "bandwidth_bytes_per_second_old" in refits[0] and "bandwidth_bytes_per_second_new" in refits[0]
+    assert refits[0]["bandwidth_bytes_per_second_old"] == SEED.effective_bandwidth_bytes_per_second
+
+
+def _finite_or_not() -> st.SearchStrategy[float]:
+    return st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1e7), st.just(0.0))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(_finite_or_not(), _finite_or_not(), _finite_or_not(), _finite_or_not()),
+                min_size=0, max_size=80))
+def test_fuzzed_windows_never_give_nan_or_negative_parameters(rows: list[tuple[float, float, float, float]]) -> None:
+    windows = [FitWindow(float(i), tokens, running, prefill, step) for i, (tokens, running, prefill, step)
+               in enumerate(rows)]
+    fit = fit_windows(SEED, windows, BOUNDS, min_windows=5)
+    if fit.parameters is None:
+        return
+    values = fit.parameters.as_dict()
+    assert all(math.isfinite(v) and v >= 0 for v in values.values()), values
+    assert BOUNDS.min_bandwidth <= values["bandwidth_bytes_per_second"] <= BOUNDS.max_bandwidth
+    assert values["per_request_seconds"] <= BOUNDS.max_per_request
+    assert values["step_overhead_seconds"] <= BOUNDS.max_overhead
+    assert values["compute_flops_per_second"] <= BOUNDS.max_compute
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.booleans(), st.one_of(st.none(), _finite_or_not()), st.one_of(st.none(), _finite_or_not()),
+                          st.one_of(st.none(), _finite_or_not())), min_size=1, max_size=60))
+def test_restarts_idle_servers_and_fuzzed_readings_never_export_nan_or_negative(
+        rows: list[tuple[bool, float | None, float | None, float | None]]) -> None:
+    deployment = _config({"min_windows": 3, "history": "1h", "holdout": "1s"})
+    calibrator = OnlineCalibrator([deployment])
+    for t, (up, tokens, running, step) in enumerate(rows):
+        reading = Reading(deployment="pool", target="127.0.0.1:8000", target_up=up, tokens_in_flight=tokens,
+                          requests_running=running, measured_step_seconds=step,
+                          last_success_timestamp_seconds=float(t))
+        calibrator.observe([reading], float(t) + 10.0)
+    page = generate_latest(make_registry(lambda: [], [deployment])).decode()
+    for line in page.splitlines():
+        if line.startswith(("stepbudget_step_overhead", "stepbudget_per_request", "stepbudget_effective_compute",
+                            "stepbudget_online_fit")):
+            value = float(line.rsplit(" ", 1)[1])
+            assert math.isfinite(value) and value >= 0, line
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+
+def test_online_calibration_defaults_and_overrides_key_by_key() -> None:
+    config = config_from_mapping({
+        "defaults": {"online_calibration": {"holdout": "10s", "min_windows": 5}},
+        "deployments": [
+            {"name": "a", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": [URL]}},
+            {"name": "b", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": [URL]},
+             "online_calibration": {"enabled": False, "history": "2s"}}]})
+    a, b = (d.online_calibration for d in config.deployments)
+    assert a is not None and b is not None
+    assert (a.enabled, a.history_seconds, a.holdout_seconds, a.min_windows) == (True, 6 * 3600, 10.0, 5)
+    assert (b.enabled, b.history_seconds, b.holdout_seconds) == (False, 2.0, 10.0)
+    assert "b" not in OnlineCalibrator(config.deployments).deployments
+
+
+# --- Prometheus: seeding at start-up and calibrate --prometheus ------------------------------------
+
+
+@pytest.fixture
+def prometheus() -> Iterator[str]:
+    """A stand-in Prometheus answering query_range with the daemon's series of 120 windows."""
+    samples = {}
+    for i in range(120):
+        window = _window(1_000.0 + 15 * i, 20_000 + 2_500 * (i % 17), 8 + (i * 5) % 45)
+        samples[i] = window
+
+    def series(metric: str) -> list[dict[str, Any]]:
+        pick = {"stepbudget_tokens_in_flight": "tokens_in_flight", "stepbudget_requests_running": "running",
+                "stepbudget_prefill_tokens_per_step": "prefill_tokens_per_step",
+                "stepbudget_measured_step_seconds": "measured_step_seconds"}[metric]
+        return [{"metric": {"__name__": metric, "deployment": "pool", "target": "10.0.0.5:8000", "model_name": "m",
+                            "engine": "0"},
+                 "values": [[w.end_seconds, str(getattr(w, pick))] for w in samples.values()]}]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            from urllib.parse import parse_qs, urlparse
+            query = parse_qs(urlparse(self.path).query)["query"][0]
+            body = json.dumps({"status": "success", "data": {"resultType": "matrix",
+                                                             "result": series(query.split("{")[0])}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_fit_is_seeded_from_prometheus_at_start_up(prometheus: str) -> None:
+    deployment = _config({"prometheus_url": prometheus, "history": "1h", "holdout": "1m"})
+    calibrator = OnlineCalibrator([deployment])
+    assert online_seed.seed_deployment(calibrator, "pool", now_seconds=1_000.0 + 15 * 120 + 120) == 120
+    in_use = deployment.setup_in_use.get()
+    assert in_use is not None and in_use.source == ONLINE_SOURCE
+    assert in_use.setup.effective_bandwidth_bytes_per_second == pytest.approx(TRUTH.bandwidth_bytes_per_second,
+                                                                             rel=0.05)
+
+
+def test_a_failing_prometheus_never_stops_start_up() -> None:
+    deployment = _config({"prometheus_url": "http://127.0.0.1:9", "history": "1h"})
+    calibrator = OnlineCalibrator([deployment])
+    with capture_logs() as logs:
+        assert online_seed.seed_deployment(calibrator, "pool", timeout_seconds=1.0) == 0
+    assert any(entry["event"] == "online_calibration_seed_failed" for entry in logs)
+    assert deployment.predicting_setup()[1] == "default"
+
+
+def test_calibrate_from_prometheus_prints_what_calibrate_json_prints(
+        prometheus: str, capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(online_seed.time, "time", lambda: 1_000.0 + 15 * 120)  # type: ignore[attr-defined]
+    import exporter.capacity.calibrate as calibrate_module
+    monkeypatch.setattr(calibrate_module.time, "time", lambda: 1_000.0 + 15 * 120)
+    assert cli.main(["calibrate", "--prometheus", prometheus, "--deployment", "pool", "--since", "1h", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["agrees"] is True and len(out["points"]) == 120
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(TRUTH.bandwidth_bytes_per_second, rel=0.05)
+    assert out["per_request_seconds"] is not None
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(out))
+    config = config_from_mapping({"deployments": [{"name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm",
+                                                   "calibration": str(path), "targets": {"static": [URL]}}]})
+    assert config.deployments[0].resolved.bandwidth_source == "calibrated"
