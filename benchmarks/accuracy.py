@@ -53,8 +53,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exporter.capacity import model  # noqa: E402
-from exporter.capacity.model import Architecture, CalibrationPoint, RequestGroup, ServingSetup  # noqa: E402
+from exporter.capacity import model
+from exporter.capacity.model import Architecture, RequestGroup, ServingSetup
 
 DATA_DIR = REPO / "benchmarks" / "data" / "validation"  # vendored from shared/reference/validation
 RESULTS = REPO / "benchmarks" / "results"

@@ -29,10 +29,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
 
 import requests
 import yaml
@@ -41,7 +41,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.capacity import calibrate
 from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.errors import InputError
-from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerHandle, ServerSpec, load_scenario, start_server
+from exporter.simulator import (
+    AGENTS_JOIN_SECONDS,
+    AGENTS_LEAVE_SECONDS,
+    ServerHandle,
+    ServerSpec,
+    load_scenario,
+    start_server,
+)
 from exporter.units import parse_duration_seconds
 
 DEFAULT_DAEMON_PORT = 9421

@@ -19,14 +19,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from exporter.capacity import model
 from exporter.capacity.deployment import ResolvedSetup, fit_bounds
-from exporter.errors import InputError
 from exporter.capacity.model import Calibration, CalibrationPoint, ServingSetup
 from exporter.capacity.planner import add_setup_arguments, parse_positive_float, resolve_from_args
+from exporter.errors import InputError
 from exporter.units import parse_duration_seconds
 
 DEFAULT_SHORT_CONTEXT_TOKENS = 256

@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass, replace
 
 from exporter.capacity import model
-from exporter.errors import InputError
 from exporter.capacity.model import Architecture, ServingSetup
 from exporter.capacity.presets import Gpu, get_gpu, get_model_preset, is_model_preset
+from exporter.errors import InputError
 
 
 @dataclass(frozen=True)

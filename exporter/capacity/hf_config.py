@@ -24,8 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.errors import InputError, UnsupportedModelError
 from exporter.capacity.model import Architecture
+from exporter.errors import InputError, UnsupportedModelError
 
 # model_type values whose layers are (partly) state-space or linear attention.
 SSM_OR_LINEAR_MODEL_TYPES = frozenset({
@@ -194,7 +194,7 @@ def checkpoint_weight_dtype(config: _Config) -> str | None:
         return None
     method = str(quantization.get("quant_method", "")).lower()
     bits = quantization.get("bits", quantization.get("w_bit"))
-    if method in _QUANT_METHOD_DTYPES and _QUANT_METHOD_DTYPES[method]:
+    if _QUANT_METHOD_DTYPES.get(method):
         return _QUANT_METHOD_DTYPES[method]
     if bits in (4, 8):
         return "int4" if bits == 4 else "int8"

@@ -19,8 +19,8 @@ Physics (see docs/model.md and DESIGN §1):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from exporter.errors import InputError, UnsupportedModelError
 

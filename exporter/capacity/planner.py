@@ -13,15 +13,15 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from exporter.capacity import model
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
-from exporter.errors import InputError
 from exporter.capacity.model import RequestGroup, ServingSetup, StepPrediction
 from exporter.capacity.pools import add_pools_arguments, loads_text
 from exporter.capacity.pools import run_if_asked as run_pools_if_asked
+from exporter.errors import InputError
 from exporter.units import parse_overhead_seconds, parse_size_bytes
 
 DEFAULT_MODEL = "qwen3-8b"

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from exporter.capacity import model
-from exporter.errors import InputError
 from exporter.capacity.model import RequestGroup, ServingSetup
+from exporter.errors import InputError
 
 DEFAULT_SPLIT_TOKENS = 32_000
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exporter.errors import InputError
 from exporter.capacity.model import Architecture
+from exporter.errors import InputError
 from exporter.suggest import close_names
 
 

@@ -8,17 +8,16 @@ latest (cached between polls, see DESIGN §2 for why), which the HELP texts say.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.registry import Collector
 
 from exporter import __version__
-
 from exporter.capacity import model
 from exporter.serve.config import Deployment
-from exporter.serve.reading import ESTIMATE_REASONS, Reading, page_setup
+from exporter.serve.reading import Reading, page_setup
 
 POLLED = " (from the last poll of the server's /metrics)"
 

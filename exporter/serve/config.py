@@ -17,37 +17,102 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
-from exporter.capacity import model
 from exporter.admission.sections import ADMISSION_SECTION, POOLS_SECTION
-from exporter.config_validators import (
-    REQUIRED, ConfigError, Invalid, Key, LineDict, LineList, Parser, Section, Table, Where, bandwidth, boolean,
-    choice, duration, existing_file, list_of, non_negative, non_negative_seconds, one_of_keys, port, positive,
-    promql_selector, ratio, section, size, string, url, url_list, url_path, whole_positive,
-)
+from exporter.capacity import model
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
-from exporter.errors import InputError
 from exporter.capacity.model import Architecture, ServingSetup
 from exporter.capacity.presets import get_gpu
-from exporter.serve.online_calibration import SetupInUse
+from exporter.config_validators import (
+    REQUIRED,
+    ConfigError,
+    Invalid,
+    Key,
+    LineDict,
+    LineList,
+    Parser,
+    Section,
+    Table,
+    Where,
+    bandwidth,
+    boolean,
+    choice,
+    duration,
+    existing_file,
+    list_of,
+    non_negative,
+    non_negative_seconds,
+    one_of_keys,
+    port,
+    positive,
+    promql_selector,
+    ratio,
+    section,
+    size,
+    string,
+    url,
+    url_list,
+    url_path,
+    whole_positive,
+)
+from exporter.errors import InputError
 from exporter.serve.online_calibration import Settings as OnlineSettings
+from exporter.serve.online_calibration import SetupInUse
 from exporter.serve.sharding import SHARD_SECTION
 
 # The public names; ConfigError, Key, REQUIRED, Section, Table, Where, LineDict and `section` are
 # re-exported from config_validators so `from exporter.serve.config import ConfigError` keeps working.
 __all__ = [
-    "ALERTING_KEYS", "AUTH_KEYS", "CALIBRATION_NUMBERS", "CALIBRATION_REQUIRED_KEYS", "CORE_KEYS",
-    "DEFAULTS_KEYS", "DEFAULT_MAX_RESPONSE_BYTES", "DEFAULT_PROMETHEUS_RESPONSE_BYTES", "DEPLOYMENT_KEYS", "DNS_KEYS", "SERVER_KINDS",
-    "KUBERNETES_KEYS", "LOG_FORMATS", "PROMETHEUS_KEYS", "REQUIRED", "TARGETS_KEYS", "TLS_KEYS", "TOP_LEVEL_KEYS", "Alerting", "Auth",
-    "Config", "ConfigError", "Deployment", "DnsTargets", "Key", "KubernetesTargets", "LineDict", "PrometheusTargets",
-    "Section", "Table",
-    "Tls", "Where", "build_parser", "config_from_mapping", "daemon_sections", "empty_document", "listen_address",
-    "load_config", "parse_listen", "read_document", "run", "section", "targets_check", "top_level_keys",
+    "ALERTING_KEYS",
+    "AUTH_KEYS",
+    "CALIBRATION_NUMBERS",
+    "CALIBRATION_REQUIRED_KEYS",
+    "CORE_KEYS",
+    "DEFAULTS_KEYS",
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_PROMETHEUS_RESPONSE_BYTES",
+    "DEPLOYMENT_KEYS",
+    "DNS_KEYS",
+    "KUBERNETES_KEYS",
+    "LOG_FORMATS",
+    "PROMETHEUS_KEYS",
+    "REQUIRED",
+    "SERVER_KINDS",
+    "TARGETS_KEYS",
+    "TLS_KEYS",
+    "TOP_LEVEL_KEYS",
+    "Alerting",
+    "Auth",
+    "Config",
+    "ConfigError",
+    "Deployment",
+    "DnsTargets",
+    "Key",
+    "KubernetesTargets",
+    "LineDict",
+    "PrometheusTargets",
+    "Section",
+    "Table",
+    "Tls",
+    "Where",
+    "build_parser",
+    "config_from_mapping",
+    "daemon_sections",
+    "empty_document",
+    "listen_address",
+    "load_config",
+    "parse_listen",
+    "read_document",
+    "run",
+    "section",
+    "targets_check",
+    "top_level_keys",
 ]
 
 SERVER_KINDS = ("auto", "vllm", "sglang", "tgi")  # the page format: a server's `kind`
@@ -567,7 +632,7 @@ def read_document(path: str) -> Any:
     except OSError as error:
         raise ConfigError(f"{path}: cannot read the config: {error.strerror or error}") from None
     try:
-        document = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+        document = yaml.load(text, Loader=_LineLoader)
     except ConfigError as error:
         raise ConfigError(f"{path}:{str(error).removeprefix('line ')}") from None
     except yaml.YAMLError as error:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from exporter import config_validators
 from exporter.serve import config

@@ -15,21 +15,28 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
 from exporter import __version__
 from exporter.admission import wiring as admission
+from exporter.errors import InputError
+from exporter.logs import configure_logging
 from exporter.serve.alerting import AlertLoop
 from exporter.serve.collector import make_registry
 from exporter.serve.config import (
-    LOG_FORMATS, Config, Deployment, config_from_mapping, empty_document, parse_listen, read_document,
+    LOG_FORMATS,
+    Config,
+    Deployment,
+    config_from_mapping,
+    empty_document,
+    parse_listen,
+    read_document,
 )
 from exporter.serve.discovery import Discovery
-from exporter.errors import InputError
-from exporter.logs import configure_logging
 from exporter.serve.online_calibration import OnlineCalibrator
 from exporter.serve.online_seed import start_seeding
 from exporter.serve.poller import HttpFetcher, Poller

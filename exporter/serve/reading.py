@@ -104,7 +104,7 @@ class Reading:
     def identity(self) -> tuple[str, str, str, str]:
         return (self.deployment, self.target, self.model_name, self.engine)
 
-    def down(self, *, scrape_duration_seconds: float, keep_values: bool) -> "Reading":
+    def down(self, *, scrape_duration_seconds: float, keep_values: bool) -> Reading:
         """This reading after a failed poll: up 0; values kept only while not yet stale."""
         if keep_values:
             return replace(self, target_up=False, scrape_duration_seconds=scrape_duration_seconds)
@@ -147,7 +147,7 @@ class _Occupancy:
     estimated: tuple[tuple[str, str], ...]
 
 
-def _occupancy(setup: model.ServingSetup, snapshot: "Snapshot", running: float | None, notes: list[str]
+def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | None, notes: list[str]
                ) -> _Occupancy:
     """Tokens in flight, capacity and usage: from the page, converted for hybrid KV where needed."""
     usage = _valid(snapshot.kv_cache_usage_ratio, "kv_cache_usage_ratio", notes, upper=1.0)
@@ -180,7 +180,7 @@ def _occupancy(setup: model.ServingSetup, snapshot: "Snapshot", running: float |
     return _Occupancy(tokens, capacity, usage, tuple(dict.fromkeys(estimated)))
 
 
-def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapshot", window: "Window | None", *,
+def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, window: Window | None, *,
                    now_seconds: float, scrape_duration_seconds: float) -> Reading:
     """Everything derivable from one snapshot, its window over the previous one, and the model."""
     notes: list[str] = list(snapshot.missing)
@@ -254,7 +254,7 @@ def derive_reading(deployment: "Deployment", target: "Target", snapshot: "Snapsh
     return replace(reading, lacking=_lacking(reading, snapshot))
 
 
-def server_wide_reading(readings: "list[Reading]", window: "Window | None") -> Reading | None:
+def server_wide_reading(readings: list[Reading], window: Window | None) -> Reading | None:
     """One series for a server whose ITL histogram covers all its engines (SGLang under --dp-size):
     the measured step next to the prediction of the same thing, the engines' predictions weighted by
     the tokens each generates (running / step), never one engine's prediction against it."""
@@ -283,7 +283,7 @@ def server_wide_reading(readings: "list[Reading]", window: "Window | None") -> R
     )
 
 
-def _lacking(reading: Reading, snapshot: "Snapshot") -> tuple[str, ...]:
+def _lacking(reading: Reading, snapshot: Snapshot) -> tuple[str, ...]:
     """Exported values absent for a reason that lasts: not the routine gaps of a window."""
     absent = [name for name in VALUE_FIELDS if _value_of(reading, name) is None]
     routine = set(WINDOW_FIELDS)
