@@ -59,6 +59,12 @@ class PageScan:
     problems: list[str] = field(default_factory=list)
     sample_lines: int = 0  # lines that read as samples, wanted or not
     malformed_lines: int = 0
+    # The wanted samples as (name, sorted label items), in page order, and their values in the same
+    # order, when every wanted line was read through a remembered head (no duplicate, nothing odd):
+    # the page's layout, the same from one poll to the next, which the adapters plan once
+    # (families.py's Plan). None otherwise; the samples above are what counts either way.
+    layout: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] | None = None
+    values: list[float] = field(default_factory=list)
 
 
 def _unescape(value: str) -> str:
@@ -244,6 +250,9 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
     samples = scan.samples
     value_re = _VALUE_RE.fullmatch
     sample_lines = 0
+    layout: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    values = scan.values
+    laid_out = True
     for number, raw in enumerate(lines, start=1):
         if raw[:1] == "#":
             continue
@@ -260,7 +269,10 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
                 series = samples.get(name)
                 if series is None:
                     series = samples[name] = []
-                series.append((dict(labels), float(value_text)))
+                value = float(value_text)
+                series.append((dict(labels), value))
+                layout.append(key)
+                values.append(value)
                 sample_lines += 1
                 continue
         # The full reading: first sight of this head, a duplicate, or anything unusual.
@@ -278,6 +290,7 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
         end = match.end()
         name = line[:end]
         if name in wanted:
+            laid_out = False
             ok = _read_sample(line, end, name, scan, seen)
         else:  # cheap check only (a name, then labels or a space); values are checked if nothing was wanted
             ok = end < len(line) and line[end] in "{ \t"
@@ -289,6 +302,10 @@ def scan_page(text: str, wanted: frozenset[str]) -> PageScan:
             scan.malformed_lines += 1
             first_bad = first_bad or number
     scan.sample_lines = sample_lines
+    if laid_out:
+        scan.layout = tuple(layout)
+    else:
+        values.clear()
     if not scan.samples and not _any_sample(lines):
         if scan.malformed_lines == 0 and scan.sample_lines == 0:
             raise PageError("no samples", "the page holds only comments (HELP/TYPE without values)")
