@@ -251,3 +251,11 @@ def test_fuzz_remembered_heads_never_change_a_reading(lines: list[str]) -> None:
     cold = _cold_scan(text, frozenset({"x", "_y"}))
     for _ in range(2):
         assert _scan_facts(scan_page(text, frozenset({"x", "_y"}))) == cold
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=200), st.text(alphabet=st.characters(max_codepoint=127), max_size=200)))
+def test_binary_characters_are_counted_as_the_regex_counts_them(sample: str) -> None:
+    from exporter.serve.engines import exposition
+
+    assert exposition._binary_count(sample) == len(exposition._BINARY_RE.findall(sample))

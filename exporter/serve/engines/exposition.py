@@ -97,6 +97,18 @@ def parse_labels(line: str, start: int) -> tuple[Labels, int] | None:
             return (labels, close.end()) if close is not None else None
 
 
+# Every ASCII character _BINARY_RE does not match: deleting them from an ASCII sample leaves the
+# ones it matches, counted in C (a tenth of the regex's time on a 4 KB sample).
+_TEXT_ASCII = bytes(code for code in range(128) if not _BINARY_RE.match(chr(code)))
+
+
+def _binary_count(sample: str) -> int:
+    """How many characters of `sample` _BINARY_RE matches."""
+    if sample.isascii():
+        return len(sample.encode("ascii").translate(None, _TEXT_ASCII))
+    return len(_BINARY_RE.findall(sample))
+
+
 def _check_is_text(text: str) -> None:
     if not text.strip():
         raise PageError("empty page")
@@ -104,7 +116,7 @@ def _check_is_text(text: str) -> None:
     if head.startswith("<"):
         raise PageError("not Prometheus text", "the page is HTML/XML")
     sample = text[:4096]  # garbage shows at once; scanning the whole page would cost more than parsing it
-    if "\x00" in sample or len(_BINARY_RE.findall(sample)) > _BINARY_SHARE * len(sample):
+    if "\x00" in sample or _binary_count(sample) > _BINARY_SHARE * len(sample):
         raise PageError("not Prometheus text", "the page holds binary data")
 
 
