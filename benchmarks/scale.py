@@ -128,7 +128,8 @@ class Prometheus:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.process.stderr.read()[-1000:] if self.process.stderr else ''}")
+                stderr = self.process.stderr.read()[-1000:] if self.process.stderr else ""
+                raise RuntimeError(f"prometheus exited: {stderr}")
             try:
                 if requests.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
                     break
@@ -157,14 +158,13 @@ class Prometheus:
 
 def measure(count: int, cycles: int, profile: cProfile.Profile | None, with_prometheus: bool,
             interval_seconds: float = INTERVAL_SECONDS) -> Row:
+    from benchmarks.fleet import address_of
     from exporter.serve.collector import make_registry
     from exporter.serve.config import config_from_mapping
     from exporter.serve.discovery import Discovery
+    from exporter.serve.exposition_writer import render_text
     from exporter.serve.poller import HttpFetcher, Poller
     from exporter.serve.server import GZIP_LEVEL, StepBudgetServer
-    from prometheus_client import generate_latest
-
-    from benchmarks.fleet import address_of
 
     fleet, port = start_fleet(count)
     urls = [f"http://{address_of(i)}:{port}/metrics" for i in range(count)]
@@ -208,7 +208,7 @@ def measure(count: int, cycles: int, profile: cProfile.Profile | None, with_prom
             size = len(body)
             time.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
         cold = time.monotonic()
-        gzip.compress(generate_latest(registry), compresslevel=GZIP_LEVEL)
+        gzip.compress(render_text(registry), compresslevel=GZIP_LEVEL)  # what the page renders
         cold_render = time.monotonic() - cold
         if profile is not None:
             # cProfile sees one thread: the same per-target work, serially, in this thread.
@@ -218,7 +218,7 @@ def measure(count: int, cycles: int, profile: cProfile.Profile | None, with_prom
                 poller._poll_target(target, None)  # the fleet needs no bearer token
             profile.disable()
             METRICS_PROFILE.enable()
-            generate_latest(registry)  # what GET /metrics renders
+            render_text(registry)  # what GET /metrics renders (text format)
             METRICS_PROFILE.disable()
         prom_scrape = prom_cpu = None
         if prometheus:
@@ -263,14 +263,16 @@ def write_profile(profile: cProfile.Profile, name: str, header: str) -> Path:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| targets | CPU s / cycle | CPU ms / target | of which /metrics render | poll wall s | /metrics s (bytes) | "
-             "cold render + gzip s | peak RSS MiB | Prometheus scrape ms | Prometheus CPU ms / scrape | "
+    lines = ["| targets | CPU s / cycle | CPU ms / target | of which /metrics render | poll wall s | "
+             "/metrics s (bytes) | cold render + gzip s | peak RSS MiB | Prometheus scrape ms | "
+             "Prometheus CPU ms / scrape | "
              "ratio (CPU / scrape) | ratio (CPU / Prom CPU) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.targets} ({r.targets_up} up) | {r.cpu_seconds_per_cycle} | {r.cpu_ms_per_target} | "
                      f"{r.metrics_render_cpu_ms_per_target} | {r.poll_wall_seconds} | "
-                     f"{r.metrics_serve_seconds} ({r.metrics_bytes:,}) | {r.metrics_cold_render_seconds} | {r.peak_rss_mib} | "
+                     f"{r.metrics_serve_seconds} ({r.metrics_bytes:,}) | {r.metrics_cold_render_seconds} | "
+                     f"{r.peak_rss_mib} | "
                      f"{r.prometheus_scrape_ms} | {r.prometheus_cpu_ms_per_scrape} | {r.ratio_to_scrape_duration} | "
                      f"{r.ratio_to_prometheus_cpu} |")
     return "\n".join(lines)
@@ -279,7 +281,8 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default="100,500,1000", help="comma-separated target counts")
-    parser.add_argument("--cycles", type=int, default=4, help="measured poll cycles per target count (after one warm-up)")
+    parser.add_argument("--cycles", type=int, default=4,
+                        help="measured poll cycles per target count (after one warm-up)")
     parser.add_argument("--profile", metavar="NAME", help="write results/profile_NAME.txt (cProfile of the polls)")
     parser.add_argument("--no-prometheus", action="store_true", help="skip the real Prometheus beside the daemon")
     parser.add_argument("--interval", type=float, default=INTERVAL_SECONDS, help="seconds between polls (and scrapes)")
@@ -294,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {asdict(rows[-1])}", file=sys.stderr)
     info = machine()
     if profile is not None:
-        header = (f"cProfile of one serial pass over every target after {args.cycles} poll cycles at {', '.join(map(str, counts))} targets ({args.label}); "
+        header = (f"cProfile of one serial pass over every target after {args.cycles} poll cycles at "
+                  f"{', '.join(map(str, counts))} targets ({args.label}); "
                   f"{info['cpu_model']}, {info['cores']} cores, Python {info['python']}")
         print(f"wrote {write_profile(profile, args.profile, header)}", file=sys.stderr)
         metrics_header = header.replace("one serial pass over every target", "rendering /metrics once")

@@ -33,7 +33,9 @@ def test_selects_exact_sample_names_only() -> None:
 def test_label_values_with_escapes_commas_braces_and_unicode() -> None:
     # On the wire: \" is a quote, \\ a backslash, \n a newline; , and } inside quotes are plain text.
     line = 'm{a="say \\"hi\\"",b="C:\\\\dir",c="two\\nlines",d="x,y}z",e="Grüße ✓"} 1.5'
-    labels, end = parse_labels(line, 1)
+    parsed = parse_labels(line, 1)
+    assert parsed is not None
+    labels, end = parsed
     assert labels == {"a": 'say "hi"', "b": "C:\\dir", "c": "two\nlines", "d": "x,y}z", "e": "Grüße ✓"}
     assert line[end:] == " 1.5"
 
@@ -185,3 +187,75 @@ def test_label_values_round_trip_through_prometheus_escaping(labels: dict[str, s
     parsed = parse_labels(line, 1)
     assert parsed is not None
     assert parsed[0] == labels
+
+
+def _cold_scan(text: str, wanted: frozenset[str]) -> tuple[object, ...]:
+    """The page read by a reader that remembers nothing (every line read in full)."""
+    from exporter.serve.engines import exposition
+
+    remember = exposition._remember
+    exposition._HEADS.clear()
+    exposition._LABEL_SETS.clear()
+    exposition._remember = lambda *args: None
+    try:
+        return _scan_facts(scan_page(text, wanted))
+    finally:
+        exposition._remember = remember
+
+
+def _scan_facts(scan: object) -> tuple[object, ...]:
+    return (repr(scan.samples), scan.problems, scan.sample_lines, scan.malformed_lines)  # type: ignore[attr-defined]
+
+
+TRICKY = (
+    'x{a="1"} 1\n'
+    'x{a="1"} 2\n'                      # a duplicate after a remembered head
+    'x{a="2"} 3 1712345678000\n'        # a timestamp
+    'x{a="3"} 4 \n'                     # trailing space: the head is then the whole sample
+    "x 5\n"
+    "x  6\n"                            # two spaces
+    'x{a="4"} }\n'                      # a brace where the value goes
+    'x{a="5"}\t7\n'                     # a tab before the value
+    'x{a="6"} 1_0\n'                    # float() takes it, Prometheus does not write it
+    "y 1\n"
+    "y \n"                              # an unwanted name, then only a space
+    "_y 1\n"
+    "_y \n"                             # a name that starts with "_" is read stripped
+    "  x{a=\"7\"} 8\n"                  # leading whitespace
+    "y{b=\"1\"} NaN\n"
+    "# x 9\n"
+    "\n"
+    "x{a=\"8\" 9\n"                     # unclosed label set
+    'x{a="9",} 10\n'
+)
+
+
+@pytest.mark.parametrize("wanted", [frozenset({"x"}), frozenset({"x", "y"}), frozenset({"y", "_y"})])
+def test_a_page_reads_the_same_with_its_heads_remembered(wanted: frozenset[str]) -> None:
+    """scan_page remembers each line's head between polls: the second and later reads of a page
+    (and of a page whose values changed) must give exactly what a reader with no memory gives."""
+    cold = _cold_scan(TRICKY, wanted)
+    assert _scan_facts(scan_page(TRICKY, wanted)) == cold
+    assert _scan_facts(scan_page(TRICKY, wanted)) == cold
+    changed = TRICKY.replace(" 1\n", " 11\n").replace("\t7", "\t+Inf")
+    cold_changed = _cold_scan(changed, wanted)
+    scan_page(TRICKY, wanted)
+    assert _scan_facts(scan_page(changed, wanted)) == cold_changed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([*TRICKY.splitlines(keepends=True), 'x{a="1"} -2\n', "y 3e5\n", "x\n"]),
+                max_size=12))
+def test_fuzz_remembered_heads_never_change_a_reading(lines: list[str]) -> None:
+    text = "".join(lines) + 'x{a="0"} 0\n'
+    cold = _cold_scan(text, frozenset({"x", "_y"}))
+    for _ in range(2):
+        assert _scan_facts(scan_page(text, frozenset({"x", "_y"}))) == cold
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=200), st.text(alphabet=st.characters(max_codepoint=127), max_size=200)))
+def test_binary_characters_are_counted_as_the_regex_counts_them(sample: str) -> None:
+    from exporter.serve.engines import exposition
+
+    assert exposition._binary_count(sample) == len(exposition._BINARY_RE.findall(sample))

@@ -9,15 +9,16 @@ from __future__ import annotations
 import gzip
 import html
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 import structlog
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from exporter import __version__
+from exporter.serve.exposition_writer import render_text
 
 log = structlog.get_logger("stepbudget.server")
 
@@ -86,6 +87,10 @@ class MetricsPage:
     def response(self, accept: str, accept_encoding: str) -> Response:
         """The page in the format `accept` asks for, gzip-compressed when `accept_encoding` allows."""
         encoder, content_type = choose_encoder(accept)
+        if encoder is generate_latest:
+            # The plain text format: the same bytes, written without per-sample label escaping
+            # (exporter/serve/exposition_writer.py). OpenMetrics, by Accept, stays prometheus_client's.
+            encoder = render_text
         with self._lock:
             encoded = self._current(encoder, content_type)
             if not gzip_accepted(accept_encoding):
@@ -186,8 +191,10 @@ class StepBudgetServer:
         page = (
             "<!doctype html><html><head><meta charset='utf-8'><title>stepbudget</title></head><body>"
             f"<h1>stepbudget {html.escape(__version__)}</h1>"
-            "<p><a href='/metrics'>/metrics</a> · <a href='/-/healthy'>/-/healthy</a> · <a href='/-/ready'>/-/ready</a></p>"
-            "<table border='1' cellpadding='4'><tr><th>deployment</th><th>target</th><th>engine</th><th>state</th><th>detail</th></tr>"
+            "<p><a href='/metrics'>/metrics</a> · <a href='/-/healthy'>/-/healthy</a> · "
+            "<a href='/-/ready'>/-/ready</a></p>"
+            "<table border='1' cellpadding='4'><tr><th>deployment</th><th>target</th><th>engine</th>"
+            "<th>state</th><th>detail</th></tr>"
             f"{rows or '<tr><td colspan=5>no targets discovered yet</td></tr>'}</table></body></html>"
         )
         return Response(200, page.encode(), "text/html; charset=utf-8")
@@ -201,10 +208,10 @@ def _make_handler(server: StepBudgetServer) -> type[BaseHTTPRequestHandler]:
         # delayed ACK (40 ms on Linux) on every keep-alive request. TCP_NODELAY sends it at once.
         disable_nagle_algorithm = True
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             self._dispatch("GET")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._dispatch("POST")
 
         def _dispatch(self, method: str) -> None:
@@ -223,7 +230,7 @@ def _make_handler(server: StepBudgetServer) -> type[BaseHTTPRequestHandler]:
             request = Request(method, path, query, {k.lower(): v for k, v in self.headers.items()}, body)
             try:
                 response = handler(request)
-            except Exception:  # noqa: BLE001 - a bad handler answers 500, the server stays up
+            except Exception:
                 log.exception("http_handler_failed", method=method, path=path)
                 response = Response(500, b"Internal error\n")
             self._send(response)
@@ -237,7 +244,7 @@ def _make_handler(server: StepBudgetServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(response.body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: object) -> None:
             pass  # scrapes every 15 s would flood the log; failures are logged by the handlers
 
     return _Handler

@@ -10,7 +10,16 @@ from dataclasses import dataclass
 
 from exporter.serve.engines import sglang, tgi, vllm
 from exporter.serve.engines.exposition import PageError, PageScan, scan_page
-from exporter.serve.engines.families import Adapter, identities, index_series, select
+from exporter.serve.engines.families import (
+    Adapter,
+    Identity,
+    Plan,
+    Selection,
+    identities,
+    index_series,
+    plan_selection,
+    select,
+)
 from exporter.serve.snapshot import Snapshot
 
 __all__ = ["ADAPTERS", "PageError", "PageReading", "PageScan", "read_page", "reading_from_scan", "wanted_names"]
@@ -36,10 +45,34 @@ def _detect(scan: PageScan) -> Adapter:
     return ADAPTERS[kind]
 
 
-def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], list[str]]:
+# Each page layout's plan (families.py's Plan), by adapter and layout; None: not plain, `select` it.
+_PLANS: dict[tuple[str, tuple[tuple[str, tuple[tuple[str, str], ...]], ...]], Plan | None] = {}
+MAX_CACHED_PLANS = 2_000
+
+
+def _selection(adapter: Adapter, scan: PageScan) -> tuple[list[Identity], Selection]:
+    """Every identity on the page and its fields: through the layout's plan where there is one (the
+    same answer, without re-sorting the series at every poll), else through `select`."""
+    if scan.layout is not None:
+        key = (adapter.kind, scan.layout)
+        if key in _PLANS:
+            plan = _PLANS[key]
+        else:
+            plan = plan_selection(scan, adapter.sample_names(), adapter.roles, adapter.specs)
+            if len(_PLANS) >= MAX_CACHED_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        if plan is not None:
+            planned = plan.run(scan.values)
+            if planned is not None:
+                return list(plan.who_all), planned
     index = index_series(scan, adapter.sample_names(), adapter.roles)
     who_all = identities(index)
-    selection = select(index, adapter.specs, who_all)
+    return who_all, select(index, adapter.specs, who_all)
+
+
+def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], list[str]]:
+    who_all, selection = _selection(adapter, scan)
     if adapter.finish is not None:
         adapter.finish(scan, selection, who_all)
     snapshots = []
@@ -90,7 +123,8 @@ def reading_from_scan(scan: PageScan, kind: str = "auto") -> PageReading:
     else:
         adapter = ADAPTERS[kind]
         if adapter.families_present(scan) == 0:
-            raise PageError(f"no {adapter.kind} metrics", f"none of {', '.join(adapter.sample_names()[:3])}, ... on the page")
+            raise PageError(f"no {adapter.kind} metrics",
+                            f"none of {', '.join(adapter.sample_names()[:3])}, ... on the page")
     snapshots, problems = _snapshots(adapter, scan)
     return PageReading(kind=adapter.kind, snapshots=snapshots, problems=tuple(dict.fromkeys(scan.problems + problems)))
 

@@ -15,15 +15,17 @@ Non-finite (NaN, ±Inf) and negative values are never passed on: the field becom
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 from exporter.serve.engines.exposition import Labels, PageScan, histogram_from_samples, parse_value
 from exporter.serve.snapshot import Histogram
 
 Kind = Literal["gauge", "counter", "histogram"]
 Identity = tuple[str, str]  # (model_name, engine)
+Pairs = tuple[tuple[str, str], ...]  # label (name, value) pairs
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def _scalar(index: Index, spec: FamilySpec, name: str, who: Identity, out: Selec
 
 def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Selection) -> bool:
     # per (variant, process, share): buckets by le, count, sum; processes and shares are then summed
-    parts: dict[tuple, dict[str, object]] = {}
+    parts: dict[tuple[Pairs, str, Pairs], dict[str, object]] = {}
     for suffix in ("_bucket", "_count", "_sum"):
         for labels, value, process, variant, share in _series_for(index, spec, base + suffix, who):
             part = parts.setdefault((variant, process, share), {"buckets": []})
@@ -201,12 +203,12 @@ def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Se
                 edge = _edge(labels.get("le"))
                 if edge is None:
                     continue
-                part["buckets"].append((edge, value))  # type: ignore[union-attr]
+                cast(list[tuple[float, float]], part["buckets"]).append((edge, value))
             else:
                 part[suffix] = value
     if not parts:
         return False
-    built: dict[tuple, list[Histogram]] = {}
+    built: dict[Pairs, list[Histogram]] = {}
     for (variant, _process, _share), part in parts.items():
         histogram, why = histogram_from_samples(part["buckets"], part.get("_count"), part.get("_sum"))  # type: ignore[arg-type]
         if histogram is None:
@@ -221,7 +223,7 @@ def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Se
         return True
     if len(merged) > 1:
         out.problems.append(f"{base} has {len(merged)} series for {who}: took the one with most observations")
-    out.values[who][spec.field] = max(merged, key=lambda h: h.count)  # type: ignore[union-attr,return-value]
+    out.values[who][spec.field] = max(merged, key=lambda h: h.count)  # type: ignore[union-attr]
     return True
 
 
@@ -239,7 +241,7 @@ def _sum_histograms(histograms: list[Histogram]) -> Histogram | None:
         return None
     counts = [sum(h.buckets[i][1] for h in histograms) for i in range(len(edges))]
     return Histogram(
-        buckets=tuple(zip(edges, counts)),
+        buckets=tuple(zip(edges, counts, strict=True)),
         count=sum(h.count for h in histograms),
         sum=sum(h.sum for h in histograms),
     )
@@ -310,3 +312,122 @@ class Adapter:
     def families_present(self, scan: PageScan) -> int:
         """How many of this engine's families have samples on the page (for kind detection)."""
         return sum(1 for name in self._core_names if scan.samples.get(name))
+
+
+# --- a page layout's selection, planned once --------------------------------------------------------
+#
+# A server's page holds the same wanted series in the same order at every poll; only the values
+# change. Which series feed which field of which identity, which fields are absent, and which are
+# server-wide depend on the series (names and labels) alone, so they are worked out once per layout
+# (with the functions above, so the plan cannot disagree with them) and each poll only reads values.
+# Only the plain case is planned: every field fed by exactly one series (one histogram series set),
+# as on a single-process page. A layout with anything else, and any poll whose values are not all
+# valid (NaN, negative, a histogram that fails its checks), goes through `select`, which words the
+# problems.
+
+
+class _PlannedScalar(NamedTuple):
+    field: str
+    position: int  # in PageScan.values
+
+
+class _PlannedHistogram(NamedTuple):
+    field: str
+    buckets: tuple[tuple[int, float], ...]  # (position, upper edge) in `select`'s order
+    count_at: int  # position of `_count`
+    sum_at: int  # position of `_sum`
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout's selection: positions of the values each identity's fields read."""
+
+    who_all: tuple[Identity, ...]
+    fields: tuple[tuple[Identity, tuple[_PlannedScalar, ...], tuple[_PlannedHistogram, ...]], ...]
+    missing: dict[Identity, tuple[tuple[str, str], ...]]
+    server_wide: dict[Identity, frozenset[str]]
+
+    def run(self, values: list[float]) -> Selection | None:
+        """The Selection `select` gives for these values; None where a value needs `select` itself."""
+        out = Selection()
+        inf = math.inf
+        for who, scalars, histograms in self.fields:
+            found: dict[str, object] = {}
+            for name, position in scalars:
+                value = values[position]
+                if not 0 <= value < inf:
+                    return None
+                found[name] = value + 0.0  # as _merge_scalars' sums give it (-0.0 -> 0.0)
+            for planned in histograms:
+                buckets = [(edge, values[position]) for position, edge in planned.buckets]
+                histogram, _ = histogram_from_samples(buckets, values[planned.count_at], values[planned.sum_at])
+                if histogram is None:
+                    return None
+                found[planned.field] = histogram
+            out.values[who] = found
+            out.missing[who] = dict(self.missing[who])
+            out.server_wide[who] = set(self.server_wide[who])
+        return out
+
+
+def plan_selection(scan: PageScan, names: tuple[str, ...], roles: EngineLabels,
+                   specs: tuple[FamilySpec, ...]) -> Plan | None:
+    """The plan of `scan`'s layout (None if the scan has none, or the layout is not plain)."""
+    if scan.layout is None:
+        return None
+    position = {key: number for number, key in enumerate(scan.layout)}
+    index = index_series(scan, names, roles)
+    who_all = identities(index)
+    engines_of: dict[str, int] = {}
+    for model, _ in who_all:
+        engines_of[model] = engines_of.get(model, 0) + 1
+
+    def where(name: str, labels: Labels) -> int:
+        return position[(name, tuple(sorted(labels.items())))]
+
+    fields = []
+    missing: dict[Identity, tuple[tuple[str, str], ...]] = {}
+    server_wide: dict[Identity, frozenset[str]] = {}
+    for who in who_all:
+        scalars: list[_PlannedScalar] = []
+        histograms: list[_PlannedHistogram] = []
+        absent: list[tuple[str, str]] = []
+        wide: set[str] = set()
+        for spec in specs:
+            chosen = None
+            for name in spec.names:
+                if spec.kind == "histogram":
+                    parts = {suffix: _series_for(index, spec, name + suffix, who)
+                             for suffix in ("_bucket", "_count", "_sum")}
+                    if not any(parts.values()):
+                        continue
+                    groups = {(variant, process, share)
+                              for found in parts.values() for _, _, process, variant, share in found}
+                    if len(groups) != 1 or len(parts["_count"]) != 1 or len(parts["_sum"]) != 1:
+                        return None
+                    buckets = []
+                    for labels, _, _, _, _ in parts["_bucket"]:
+                        edge = _edge(labels.get("le"))
+                        if edge is not None:
+                            buckets.append((where(name + "_bucket", labels), edge))
+                    histograms.append(_PlannedHistogram(spec.field, tuple(buckets),
+                                                        where(name + "_count", parts["_count"][0][0]),
+                                                        where(name + "_sum", parts["_sum"][0][0])))
+                else:
+                    found = _series_for(index, spec, name, who)
+                    if not found:
+                        continue
+                    if len(found) != 1:
+                        return None
+                    scalars.append(_PlannedScalar(spec.field, where(name, found[0][0])))
+                chosen = name
+                break
+            if chosen is None:
+                if not spec.optional:
+                    absent.append((spec.field, f"no {' or '.join(spec.names)} on the page"))
+            elif engines_of[who[0]] > 1 and _only_engine_less(index, spec, chosen, who):
+                wide.add(spec.field)
+        fields.append((who, tuple(scalars), tuple(histograms)))
+        missing[who] = tuple(absent)
+        server_wide[who] = frozenset(wide)
+    return Plan(tuple(who_all), tuple(fields), missing, server_wide)

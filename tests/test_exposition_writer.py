@@ -1,0 +1,101 @@
+"""The /metrics text writer (exporter/serve/exposition_writer.py) writes exactly the bytes
+prometheus_client's generate_latest writes: for the daemon's own families, the admission families,
+odd label values and numbers, and the families it leaves to generate_latest (timestamps, `_created`,
+non-legacy names)."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from exporter.serve.exposition_writer import render_text
+from exporter.serve.server import MetricsPage
+from tests.support.clocks import ManualClock
+from tests.support.pages import VllmState, vllm_page
+from tests.support.pollers import MakePoller
+from tests.support.servers import PageServer
+from tests.test_metrics_page import make_config
+
+
+class Families(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        return self.metrics
+
+
+def registry_of(*metrics: Metric) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families(list(metrics)))
+    return registry
+
+
+def test_the_daemons_page_is_written_byte_for_byte_as_prometheus_client_writes_it(
+        page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy
+    from exporter.admission.metrics import AdmissionCollector
+    from exporter.serve.collector import make_registry
+
+    config = make_config(page_server.url)
+    poller = make_poller(config, clock)
+    registry = make_registry(poller.readings, config.deployments)
+    book = AdmissionBook([DeploymentPolicy("chat", 50.0)], clock=clock, lease_floor_seconds=60.0)
+    registry.register(AdmissionCollector(book))
+    for running in (2, 5):
+        page_server.serve_text(vllm_page(VllmState(running=running, kv_usage_ratio=0.5)))
+        poller.poll_once()
+        clock.advance(15)
+    book.reconcile("chat", "a:8000", 10_000, 100)
+    assert book.admit(AdmissionRequest(100, 50, deployment="chat")).admitted
+    expected = generate_latest(registry)
+    assert render_text(registry) == expected
+    assert render_text(registry) == expected  # label texts remembered: the same bytes
+    assert MetricsPage(registry).response("", "").body == expected
+    assert b"stepbudget_requests_running{" in expected and b"stepbudget_admission_decisions_total{" in expected
+
+
+def test_client_library_metrics_and_the_families_left_to_generate_latest() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    Counter("requests", "Requests.", ["path"], registry=registry).labels("/a\\b\"c\nd").inc(3)
+    Gauge("temperature", "Help with \\ and\nnewline.", registry=registry).set(1e22)
+    Histogram("latency_seconds", "Latency.", registry=registry, buckets=(0.1, 1.0)).observe(0.5)  # _created
+    Info("build", "Build.", registry=registry).info({"version": "1.2"})
+    odd = Metric("odd", "Non-legacy sample name and a timestamp.", "gauge")
+    odd.add_sample("odd", {"a": "1"}, 1.0, timestamp=1.7e9)
+    utf8 = Metric("my.metric", "A UTF-8 name.", "gauge")
+    utf8.add_sample("my.metric", {"label.name": "x"}, 2.0)
+    registry.register(Families([odd, utf8]))
+    assert render_text(registry) == generate_latest(registry)
+
+
+NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**20, 10**20),
+                    st.sampled_from([0.0, -0.0, 1e6, 1234567.0, 1e7, 123456789.123, 1e-7, 5e-324,
+                                     1.7976931348623157e308]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.dictionaries(st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,6}", fullmatch=True),
+                                          st.text(max_size=12), max_size=4), NUMBERS), max_size=8),
+       st.sampled_from(["gauge", "counter", "info", "unknown", "summary", "histogram", "stateset"]),
+       st.text(max_size=20))
+def test_fuzz_any_labels_and_numbers_give_the_same_bytes(samples: list[tuple[dict[str, str], float]], kind: str,
+                                                        documentation: str) -> None:
+    family = Metric("fam", documentation, kind)
+    name = {"counter": "fam_total", "info": "fam_info"}.get(kind, "fam")
+    for labels, value in samples:
+        family.add_sample(name, labels, value)
+    registry = registry_of(family)
+    written = render_text(registry)
+    assert written == generate_latest(registry)
+    parsed = [s for f in text_string_to_metric_families(written.decode()) for s in f.samples]
+    assert len(parsed) == len(samples)
+    for sample, (labels, value) in zip(parsed, samples, strict=True):
+        assert sample.labels == labels
+        assert sample.value == float(value) or (math.isnan(sample.value) and math.isnan(value))
