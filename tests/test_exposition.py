@@ -204,7 +204,7 @@ def _cold_scan(text: str, wanted: frozenset[str]) -> tuple[object, ...]:
 
 
 def _scan_facts(scan: object) -> tuple[object, ...]:
-    return (repr(scan.samples), scan.problems, scan.sample_lines, scan.malformed_lines)  # type: ignore[attr-defined]
+    return (repr(scan.samples), scan.problems, scan.sample_lines, scan.malformed_lines)  # type: ignore[attr-defined]  # both scan kinds have these fields
 
 
 TRICKY = (

@@ -29,7 +29,7 @@ from prometheus_client.utils import floatToGoString
 try:  # prometheus_client 0.21+ (names escaped for UTF-8 support); tests compare bytes with 0.26
     from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
 except ImportError:  # pragma: no cover - an older client: its own generate_latest writes every page
-    escape_label_name = escape_metric_name = None  # type: ignore[assignment]
+    escape_label_name = escape_metric_name = None  # type: ignore[assignment]  # older prometheus_client lacks them
 
 # A number as prometheus_client writes it (Go's formatting: `+Inf`, `NaN`, `1e+22`); untyped there.
 _go_string = cast(Callable[[float], str], floatToGoString)

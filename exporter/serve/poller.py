@@ -18,10 +18,10 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Callable, Iterable, Protocol, Sequence
-
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urljoin
 
 import structlog
@@ -33,10 +33,15 @@ from urllib3.response import BaseHTTPResponse
 from urllib3.util import Timeout, make_headers, parse_url
 
 from exporter import __version__
-
 from exporter.capacity import model
 from exporter.serve.config import Config, Deployment, Tls
 from exporter.serve.discovery import Discovery, Target
+from exporter.serve.engines import PageReading, read_page
+from exporter.serve.snapshot import Snapshot
+from exporter.serve.window import Window, compute_window
+
+if TYPE_CHECKING:
+    from apscheduler.schedulers.background import BackgroundScheduler
 from exporter.serve.reading import Reading, derive_reading, server_wide_reading
 
 log = structlog.get_logger("stepbudget.poller")
@@ -62,15 +67,21 @@ class Fetch(Protocol):
 class SourceOutcome(Protocol):
     """One target's part of a source's answer (exporter/serve/prometheus_source.py's TargetOutcome)."""
 
-    target: Target
-    page: object | None
-    error: str | None
-    unchanged: bool
+    @property
+    def target(self) -> Target: ...
+    @property
+    def page(self) -> PageReading | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def unchanged(self) -> bool: ...
 
 
 class SourceAnswer(Protocol):
-    outcomes: tuple[SourceOutcome, ...]
-    duration_seconds: float
+    @property
+    def outcomes(self) -> Sequence[SourceOutcome]: ...
+    @property
+    def duration_seconds(self) -> float: ...
 
 
 class Source(Protocol):
@@ -103,9 +114,9 @@ class _TrackedHTTPConnection(HTTPConnection):
         super().connect()
         _track(self.sock)
 
-    def request(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+    def request(self, *args: object, **kwargs: object) -> None:
         _track(self.sock)  # a reused keep-alive connection is not connected again
-        super().request(*args, **kwargs)  # type: ignore[arg-type]
+        super().request(*args, **kwargs)  # type: ignore[arg-type]  # passed through unchanged
 
 
 class _TrackedHTTPSConnection(HTTPSConnection):
@@ -113,9 +124,9 @@ class _TrackedHTTPSConnection(HTTPSConnection):
         super().connect()
         _track(self.sock)
 
-    def request(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+    def request(self, *args: object, **kwargs: object) -> None:
         _track(self.sock)
-        super().request(*args, **kwargs)  # type: ignore[arg-type]
+        super().request(*args, **kwargs)  # type: ignore[arg-type]  # passed through unchanged
 
 
 class _TrackedHTTPPool(HTTPConnectionPool):
@@ -310,7 +321,7 @@ class HttpFetcher:
             try:
                 # read1: return what one recv gives, so the deadline is checked between trickled bytes.
                 chunk = response.read1(CHUNK_BYTES, decode_content=True)
-            except Exception as error:  # noqa: BLE001 - urllib3 raises several kinds mid-body
+            except Exception as error:
                 if "timed out" in str(error).lower():
                     raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body") from None
                 raise FetchError(f"body read failed: {_short(error)}") from None
@@ -390,7 +401,7 @@ class TargetState:
     last_error: str | None = None
     last_success_seconds: float | None = None
     # Last good snapshot per (model_name, engine), the window's previous reading.
-    previous: dict[tuple[str, str], object] = field(default_factory=dict)
+    previous: dict[tuple[str, str], Snapshot] = field(default_factory=dict)
     readings: list[Reading] = field(default_factory=list)
     # What was last logged about the page, so a lasting condition is logged once per change.
     problems: tuple[str, ...] = ()
@@ -404,6 +415,8 @@ class PollResult:
 
 
 PollListener = Callable[[PollResult], None]
+ReadPage = Callable[[str, str], PageReading]  # (page text, server kind) -> what the page says
+ComputeWindow = Callable[[Snapshot | None, Snapshot], Window]  # (previous, current) -> the window
 
 
 class Poller:
@@ -411,15 +424,9 @@ class Poller:
 
     def __init__(self, config: Config, discovery: Discovery, fetch: Fetch, *,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
-                 read_page: Callable[..., object] | None = None,
-                 compute_window: Callable[..., object] | None = None,
+                 read_page: ReadPage = read_page,
+                 compute_window: ComputeWindow = compute_window,
                  sources: Sequence[Source] = ()) -> None:
-        if read_page is None or compute_window is None:
-            from exporter.serve.engines import read_page as default_read_page
-            from exporter.serve.window import compute_window as default_compute_window
-
-            read_page = read_page or default_read_page
-            compute_window = compute_window or default_compute_window
         self.config = config
         self._deployments = {deployment.name: deployment for deployment in config.deployments}
         self._discovery = discovery
@@ -436,7 +443,7 @@ class Poller:
         self._listeners: list[PollListener] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
                                                                thread_name_prefix="stepbudget-fetch")
-        self._scheduler: object | None = None
+        self._scheduler: BackgroundScheduler | None = None
 
     # --- what others read -----------------------------------------------------------------------
 
@@ -478,7 +485,7 @@ class Poller:
                 readings.extend(future.result())
             except concurrent.futures.CancelledError:
                 abandoned += 1  # stop() cancelled the queued fetches: the daemon is shutting down
-            except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
+            except Exception:
                 log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
         if abandoned:
             # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
@@ -490,7 +497,7 @@ class Poller:
         for listener in self._listeners:
             try:
                 listener(result)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("poll_listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
         return result
 
@@ -509,7 +516,7 @@ class Poller:
                 answers.append(future.result())
             except concurrent.futures.CancelledError:
                 continue
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("source_crashed", source=type(source).__name__)
         return answers
 
@@ -528,7 +535,7 @@ class Poller:
                     readings += self._succeeded(state, deployment, outcome.page, answer.duration_seconds)
                 else:
                     readings += self._failed(state, "no newer scrape since a failed read", answer.duration_seconds)
-            except Exception:  # noqa: BLE001 - a bug in one target's handling never stops the loop
+            except Exception:
                 log.exception("poll_target_crashed", deployment=outcome.target.deployment, target=outcome.target.target)
         return readings
 
@@ -542,18 +549,18 @@ class Poller:
                 if target.key not in self._states:
                     self._states[target.key] = TargetState(target)
 
-    def _bearer_tokens(self, targets: Sequence[Target]) -> dict[str, str | None | Exception]:
+    def _bearer_tokens(self, targets: Sequence[Target]) -> dict[str, str | Exception | None]:
         """Each deployment's bearer token (or why it cannot be read), read once per poll: a token
         file is one file for all of a deployment's targets, not one read per target per poll."""
-        tokens: dict[str, str | None | Exception] = {}
+        tokens: dict[str, str | Exception | None] = {}
         for name in {target.deployment for target in targets}:
             try:
                 tokens[name] = self._deployments[name].auth.bearer_token()
-            except Exception as error:  # noqa: BLE001 - OSError (token file) and the like: each target fails
+            except Exception as error:
                 tokens[name] = error
         return tokens
 
-    def _poll_target(self, target: Target, bearer_token: str | None | Exception) -> list[Reading]:
+    def _poll_target(self, target: Target, bearer_token: str | Exception | None) -> list[Reading]:
         deployment = self._deployments[target.deployment]
         state = self._states[target.key]
         started = self._monotonic()
@@ -562,7 +569,7 @@ class Poller:
         try:
             text = self._fetch(target.url, bearer_token=bearer_token, tls=deployment.tls)
             page = self._read_page(text, deployment.kind)
-        except Exception as error:  # noqa: BLE001 - FetchError, PageError, anything
+        except Exception as error:
             return self._failed(state, _reason(error), self._monotonic() - started)
         duration = self._monotonic() - started
         return self._succeeded(state, deployment, page, duration)
@@ -574,7 +581,8 @@ class Poller:
             log.warning("target_down", deployment=state.target.deployment, target=state.target.target,
                         url=state.target.url, reason=reason)
         state.last_error = reason
-        fresh = state.last_success_seconds is not None and now - state.last_success_seconds < self.config.stale_after_seconds
+        fresh = (state.last_success_seconds is not None
+                 and now - state.last_success_seconds < self.config.stale_after_seconds)
         if state.readings:
             state.readings = [reading.down(scrape_duration_seconds=duration_seconds, keep_values=fresh)
                               for reading in state.readings]
@@ -584,17 +592,17 @@ class Poller:
                                       pod=target.pod, target_up=False, scrape_duration_seconds=duration_seconds)]
         return state.readings
 
-    def _succeeded(self, state: TargetState, deployment: Deployment, page: object,
+    def _succeeded(self, state: TargetState, deployment: Deployment, page: PageReading,
                    duration_seconds: float) -> list[Reading]:
         now = self._clock()
-        kind = getattr(page, "kind")
+        kind = page.kind
         target = state.target
         if kind != state.kind:
             log.info("kind_detected", deployment=deployment.name, target=target.target, kind=kind,
-                     engines=[f"{s.model_name}/{s.engine}" for s in page.snapshots])  # type: ignore[attr-defined]
+                     engines=[f"{s.model_name}/{s.engine}" for s in page.snapshots])
         if state.last_error is not None:
             log.info("target_up", deployment=deployment.name, target=target.target, after=state.last_error)
-        problems = tuple(getattr(page, "problems", ()))
+        problems = page.problems
         if problems != state.problems:
             # Once per change: a page that stays truncated or odd for hours is one line, not one a poll.
             for problem in problems:
@@ -602,15 +610,15 @@ class Poller:
             if state.problems and not problems:
                 log.info("page_problems_cleared", deployment=deployment.name, target=target.target)
             state.problems = problems
-        readings, previous = [], {}
-        server_wide: dict[str, tuple[list[Reading], object]] = {}
-        for snapshot in page.snapshots:  # type: ignore[attr-defined]
+        readings: list[Reading] = []
+        previous: dict[tuple[str, str], Snapshot] = {}
+        server_wide: dict[str, tuple[list[Reading], Window]] = {}
+        for snapshot in page.snapshots:
             identity = (snapshot.model_name, snapshot.engine)
             window = self._compute_window(state.previous.get(identity), snapshot)
-            if getattr(window, "counter_reset", False):
+            if window.counter_reset:
                 log.info("counter_reset", deployment=deployment.name, target=target.target,
-                         model_name=snapshot.model_name, engine=snapshot.engine,
-                         notes=list(getattr(window, "notes", ())))
+                         model_name=snapshot.model_name, engine=snapshot.engine, notes=list(window.notes))
             reading = derive_reading(deployment, target, snapshot, window, now_seconds=now,
                                      scrape_duration_seconds=duration_seconds)
             readings.append(reading)
@@ -618,7 +626,7 @@ class Poller:
             if "inter_token_latency" in snapshot.server_wide:
                 server_wide.setdefault(snapshot.model_name, ([], window))[0].append(reading)
         for ranks, window in server_wide.values():
-            whole = server_wide_reading(ranks, window)  # type: ignore[arg-type]
+            whole = server_wide_reading(ranks, window)
             if whole is not None:
                 readings.append(whole)
         self._log_page_settings(state, deployment, readings)
@@ -671,13 +679,13 @@ class Poller:
         # misfire grace of one interval: a late run still happens rather than being dropped.
         scheduler.add_job(self.poll_once, "interval", seconds=interval, id="poll", max_instances=1,
                           coalesce=True, misfire_grace_time=max(1, int(interval)),
-                          next_run_time=datetime.now(timezone.utc))
+                          next_run_time=datetime.now(UTC))
         scheduler.start()
         self._scheduler = scheduler
 
     def stop(self) -> None:
         if self._scheduler is not None:
-            self._scheduler.shutdown(wait=False)  # type: ignore[attr-defined]
+            self._scheduler.shutdown(wait=False)
             self._scheduler = None
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -90,7 +90,7 @@ def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], 
                 engine=who[1],
                 missing=tuple(f"{name}: {why}" for name, why in missing.items()),
                 server_wide=tuple(sorted(selection.server_wide[who])),
-                **values,  # type: ignore[arg-type]
+                **values,  # type: ignore[arg-type]  # the selection holds each field under its own name and type
             )
         )
     return tuple(snapshots), selection.problems

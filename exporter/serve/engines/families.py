@@ -210,7 +210,7 @@ def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Se
         return False
     built: dict[Pairs, list[Histogram]] = {}
     for (variant, _process, _share), part in parts.items():
-        histogram, why = histogram_from_samples(part["buckets"], part.get("_count"), part.get("_sum"))  # type: ignore[arg-type]
+        histogram, why = histogram_from_samples(part["buckets"], part.get("_count"), part.get("_sum"))  # type: ignore[arg-type]  # parts are dicts of mixed values
         if histogram is None:
             out.problems.append(f"histogram {base} for {who} dropped: {why}")
             out.missing[who][spec.field] = f"{base} {why}"
@@ -223,7 +223,7 @@ def _histogram(index: Index, spec: FamilySpec, base: str, who: Identity, out: Se
         return True
     if len(merged) > 1:
         out.problems.append(f"{base} has {len(merged)} series for {who}: took the one with most observations")
-    out.values[who][spec.field] = max(merged, key=lambda h: h.count)  # type: ignore[union-attr]
+    out.values[who][spec.field] = max(merged, key=lambda h: h.count)  # type: ignore[union-attr]  # None was ruled out above
     return True
 
 
