@@ -46,6 +46,12 @@ DEFAULT_MIN_WINDOWS = 30
 # the fixed costs from the bytes: a single load level fits any split between them.
 MIN_TOKENS_SPREAD_RATIO = 0.05
 LOG_CHANGE_RATIO = 0.05  # a refit that moves a parameter by more than this is logged
+# A fleet adds one window per engine per poll: 1,000 engines over 6 h at 15 s would be 1.4 million
+# windows. Past this many, every second one of the older half is dropped: the fit keeps its span
+# in time and its recent density, at a bounded memory and fit cost.
+MAX_WINDOWS_PER_DEPLOYMENT = 20_000
+# A refit costs O(windows): at most once this often (or a quarter of the holdout, if shorter).
+REFIT_INTERVAL_SECONDS = 60.0
 MIN_RATE_SHARE_OF_PEAK = 0.05  # fitted bandwidth and compute: at least this share of the datasheet peak
 _HUBER_K = 1.345
 _OUTLIER_SIGMAS = 6.0
@@ -376,6 +382,7 @@ class DeploymentCalibration:
         self._windows: deque[FitWindow] = deque()
         self._seen: dict[tuple[str, ...], float] = {}
         self._since_refit = 0
+        self._last_refit_seconds: float | None = None
         self.fit: Fit | None = None
         self.in_use = Parameters.of(self.seed)
         self.source = self.seed_source
@@ -389,6 +396,14 @@ class DeploymentCalibration:
             position = bisect.bisect([w.end_seconds for w in self._windows], window.end_seconds)
         self._windows.insert(position, window)
         self._since_refit += 1
+        if len(self._windows) > MAX_WINDOWS_PER_DEPLOYMENT:
+            self._thin()
+
+    def _thin(self) -> None:
+        """Drop every second window of the older half (the windows are kept in time order)."""
+        ordered = list(self._windows)
+        half = len(ordered) // 2
+        self._windows = deque(ordered[:half:2] + ordered[half:])
 
     def windows_for_fit(self, now_seconds: float) -> list[FitWindow]:
         oldest = now_seconds - self.settings.history_seconds
@@ -397,13 +412,17 @@ class DeploymentCalibration:
         newest = now_seconds - self.settings.holdout_seconds
         return [window for window in self._windows if window.end_seconds <= newest]
 
-    def due(self) -> bool:
-        """Refit after a third of min_windows new windows (at least one): a refit per poll would cost
-        O(windows) each time for no better answer."""
-        return self._since_refit >= max(1, self.settings.min_windows // 3)
+    def due(self, now_seconds: float) -> bool:
+        """Refit after a third of min_windows new windows (at least one), and not more often than
+        REFIT_INTERVAL_SECONDS: a refit per poll would cost O(windows) each time for no better answer."""
+        if self._since_refit < max(1, self.settings.min_windows // 3):
+            return False
+        interval = min(REFIT_INTERVAL_SECONDS, self.settings.holdout_seconds / 4)
+        return self._last_refit_seconds is None or now_seconds - self._last_refit_seconds >= interval
 
     def refit(self, now_seconds: float) -> Fit:
         self._since_refit = 0
+        self._last_refit_seconds = now_seconds
         fit = fit_windows(self.seed, self.windows_for_fit(now_seconds), self.bounds,
                           min_windows=self.settings.min_windows)
         self.fit = fit
@@ -468,7 +487,7 @@ class OnlineCalibrator:
                 for identity, window in windows:
                     calibration.add(identity, window)
             for calibration in self.deployments.values():
-                if calibration.due():
+                if calibration.due(now_seconds):
                     calibration.refit(now_seconds)
                     calibration.publish()
 
