@@ -356,7 +356,7 @@ def expected_distinct_experts(experts: int, experts_per_token: int, tokens: floa
     """
     if tokens <= 0:
         return 0.0
-    return experts * (1.0 - (1.0 - experts_per_token / experts) ** tokens)
+    return experts * (1.0 - math.pow(1.0 - experts_per_token / experts, tokens))
 
 
 def weight_read_bytes(

@@ -121,10 +121,10 @@ def table_schema(table: config.Table, check: Callable[..., Any] | None = None) -
     """A mapping of `table`'s keys: unknown keys refused, REQUIRED keys required, null meaning the default."""
     properties = {}
     for name, key in table.items():
-        schema = parser_schema(key.parse)
+        key_schema = parser_schema(key.parse)
         if key.default is not config.REQUIRED:
-            schema = _or_null(schema)
-        properties[name] = {"description": key.doc, **schema} if key.doc else schema
+            key_schema = _or_null(key_schema)
+        properties[name] = {"description": key.doc, **key_schema} if key.doc else key_schema
     schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
     required = [name for name, key in table.items() if key.default is config.REQUIRED]
     if required:

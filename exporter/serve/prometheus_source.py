@@ -33,7 +33,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import requests
@@ -41,8 +41,11 @@ import structlog
 
 from exporter.serve.config import Deployment, PrometheusTargets
 from exporter.serve.discovery import Target
-from exporter.serve.engines import PageError, PageReading, PageScan, reading_from_scan, wanted_names
+from exporter.serve.engines import PageError, PageScan, reading_from_scan, wanted_names
 from exporter.serve.engines.exposition import parse_value
+
+if TYPE_CHECKING:
+    from exporter.serve.poller import SourceOutcome
 
 log = structlog.get_logger("stepbudget.prometheus_source")
 
@@ -59,19 +62,21 @@ class QueryError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
+# Not frozen, and typed as the poller's protocols spell them (SourceOutcome, SourceAnswer): their
+# members are plain (settable, invariant) attributes, so only matching mutable fields satisfy them.
+@dataclass
 class TargetOutcome:
-    """What one poll learned about one target: new samples, a failure, or no newer scrape."""
+    """What one poll learned about one target: new samples (a PageReading), a failure, or no newer scrape."""
 
     target: Target
-    page: PageReading | None = None
+    page: object | None = None
     error: str | None = None
     unchanged: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class SourceResult:
-    outcomes: tuple[TargetOutcome, ...]
+    outcomes: tuple[SourceOutcome, ...]
     duration_seconds: float
 
 
