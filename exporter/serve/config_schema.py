@@ -104,7 +104,8 @@ def parser_schema(parse: Callable[..., Any]) -> dict[str, Any]:
         return {**schema, "minItems": 1} if captured["non_empty"] else schema
     if name == "section":
         return table_schema(captured["table"], captured["check"])
-    raise ValueError(f"no JSON schema for the config parser {parse.__qualname__}: add it to exporter/serve/config_schema.py")
+    raise ValueError(f"no JSON schema for the config parser {parse.__qualname__}: "
+                     "add it to exporter/serve/config_schema.py")
 
 
 def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +142,8 @@ def chart_config_schema() -> dict[str, Any]:
     """`values.config` of the chart: the daemon config less `listen`, which the chart sets from `port`."""
     schema = config_schema()
     schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "listen"}
-    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config.py's key tables "
-                             "by exporter/serve/config_schema.py; `listen` comes from `port`.")
+    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config.py's "
+                             "key tables by exporter/serve/config_schema.py; `listen` comes from `port`.")
     return schema
 
 

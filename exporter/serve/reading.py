@@ -136,7 +136,7 @@ def page_setup(setup: model.ServingSetup, kv_cache_dtype: str | None, block_size
             changes["kv_bytes_per_element"] = page_bytes
     if block_size_tokens is not None and block_size_tokens != setup.block_size_tokens:
         changes["block_size_tokens"] = block_size_tokens
-    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]
+    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]  # changes: only int fields, mypy sees object
 
 
 @dataclass(frozen=True)
