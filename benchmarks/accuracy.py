@@ -131,14 +131,16 @@ def architectures(data_dir: Path) -> dict[str, Architecture]:
 
 def gpu_peaks(data_dir: Path) -> dict[str, tuple[float, float]]:
     """GPU row -> (peak bandwidth bytes/s, dense bf16 FLOP/s)."""
-    return {row["gpu"]: (float(row["peak_memory_bandwidth_GBps"]) * 1e9, float(row["peak_dense_bf16_fp16_tensor_TFLOPS"]) * 1e12)
+    return {row["gpu"]: (float(row["peak_memory_bandwidth_GBps"]) * 1e9,
+                         float(row["peak_dense_bf16_fp16_tensor_TFLOPS"]) * 1e12)
             for row in read_csv(data_dir / GPU_TABLE) if row["peak_memory_bandwidth_GBps"]}
 
 
 # --- reading the tables ----------------------------------------------------------------------
 
 
-def databricks_rows(data_dir: Path, arches: dict[str, Architecture], peaks: dict[str, tuple[float, float]]) -> list[Row]:
+def databricks_rows(data_dir: Path, arches: dict[str, Architecture],
+                    peaks: dict[str, tuple[float, float]]) -> list[Row]:
     rows = []
     for raw in read_csv(data_dir / DATABRICKS_TABLE):
         batch, prompt, output = int(raw["batch_size"]), int(raw["input_len_tokens"]), int(raw["output_len_tokens"])
@@ -159,9 +161,11 @@ def databricks_rows(data_dir: Path, arches: dict[str, Architecture], peaks: dict
 def lmdeploy_rows(data_dir: Path) -> list[Row]:
     rows = []
     for raw in read_csv(data_dir / LMDEPLOY_TABLE):
-        batch, prompt, output, gpus = (int(raw[k]) for k in ("batch_size", "input_len_tokens", "output_len_tokens", "tp"))
+        batch, prompt, output, gpus = (int(raw[k])
+                                       for k in ("batch_size", "input_len_tokens", "output_len_tokens", "tp"))
         series = f"LMDeploy {raw['model']} {gpus}xA100-80GB {prompt}/{output}"
-        excluded = "" if raw["all_requests_fit_in_kv_cache"] == "True" else "requests did not all fit in the KV cache (queueing)"
+        excluded = ("" if raw["all_requests_fit_in_kv_cache"] == "True"
+                    else "requests did not all fit in the KV cache (queueing)")
         rows.append(Row("lmdeploy", series, raw["model"], "A100-80GB", gpus, batch, prompt, output,
                         float(raw["token_latency_p50_s"]), float(raw["throughput_out_tok_per_s"]), "out tok/s",
                         excluded=excluded))
@@ -208,7 +212,8 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
     for row in usable:
         step = model.predict_step(setup, [RequestGroup(row.batch, mean_context(row))]).step_seconds
         batch_seconds = prefill_seconds(setup, row.batch, row.prompt_tokens) + row.output_tokens * step
-        per_second = row.batch / batch_seconds if row.source == "databricks" else row.batch * row.output_tokens / batch_seconds
+        per_second = (row.batch / batch_seconds if row.source == "databricks"
+                      else row.batch * row.output_tokens / batch_seconds)
         predictions.append(Prediction(row.series, row.batch, row.measured_per_token_seconds, step,
                                       row.measured_throughput, per_second, row.throughput_unit,
                                       row in calibration_rows,
@@ -238,7 +243,8 @@ def summarise(scope: str, metric: str, predictions: list[Prediction]) -> ErrorSu
     scored = [p for p in predictions if not p.calibration_row and not p.refused]
     if not scored:
         return None
-    errors = [(p.per_token_error_ratio if metric == "per-token time" else p.throughput_error_ratio, p.batch) for p in scored]
+    errors = [(p.per_token_error_ratio if metric == "per-token time" else p.throughput_error_ratio, p.batch)
+              for p in scored]
     worst = max(errors, key=lambda e: abs(e[0]))
     absolute = [abs(e) for e, _ in errors]
     return ErrorSummary(scope, metric, len(errors), statistics.median(absolute), statistics.fmean(absolute),
@@ -257,7 +263,8 @@ def run(data_dir: Path) -> tuple[list[Prediction], list[ErrorSummary], list[Row]
         predicted = predict_series(members, arches[MODEL_ROWS[first.model]], peaks[GPU_ROWS[first.gpu]])
         predictions += predicted
         summaries += [s for metric in ("per-token time", "throughput") if (s := summarise(name, metric, predicted))]
-    for source, label in (("Databricks", "Databricks (all series)"), ("LMDeploy", "LMDeploy (all series)"), ("", "overall")):
+    for source, label in (("Databricks", "Databricks (all series)"), ("LMDeploy", "LMDeploy (all series)"),
+                          ("", "overall")):
         chosen = [p for p in predictions if p.series.startswith(source)]
         summaries += [s for metric in ("per-token time", "throughput") if (s := summarise(label, metric, chosen))]
     return predictions, summaries, [r for r in rows if r.excluded]
@@ -275,12 +282,16 @@ def write(predictions: list[Prediction], summaries: list[ErrorSummary], excluded
     doc = __doc__ or ""
     method = doc[doc.index("Method"):doc.index("    .venv")].rstrip()
     lines = ["# Accuracy of the capacity model against published static-batch benchmarks", "",
-             "Command: `make bench` (`.venv/bin/python benchmarks/accuracy.py`). Errors are (predicted - measured) / measured;",
-             "the two calibration rows of each series (its two smallest batches) are not scored.", "", "```", method, "```", "",
+             "Command: `make bench` (`.venv/bin/python benchmarks/accuracy.py`). "
+             "Errors are (predicted - measured) / measured;",
+             "the two calibration rows of each series (its two smallest batches) are not scored.",
+             "", "```", method, "```", "",
              "## Summary", "", "| scope | metric | n | median abs err | mean abs err | worst abs err (signed, batch) |",
              "|---|---|---:|---:|---:|---|"]
-    lines += [f"| {s.scope} | {s.metric} | {s.count} | {s.median_abs_error_ratio:.1%} | {s.mean_abs_error_ratio:.1%} | "
-              f"{s.worst_abs_error_ratio:.1%} ({s.worst_signed_error_ratio:+.1%}, B={s.worst_batch}) |" for s in summaries]
+    lines += [f"| {s.scope} | {s.metric} | {s.count} | {s.median_abs_error_ratio:.1%} | "
+              f"{s.mean_abs_error_ratio:.1%} | "
+              f"{s.worst_abs_error_ratio:.1%} ({s.worst_signed_error_ratio:+.1%}, B={s.worst_batch}) |"
+              for s in summaries]
     lines += ["", "## Calibration per series (from its two smallest batches)", "",
               "| series | per GPU TB/s | of datasheet peak | per-request us | overhead ms | notes |",
               "|---|---:|---:|---:|---:|---|"]

@@ -67,7 +67,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              f"join after {AGENTS_JOIN_SECONDS / DEFAULT_SPEED:.0f} s and leave after "
                              f"{AGENTS_LEAVE_SECONDS / DEFAULT_SPEED:.0f} s)")
     parser.add_argument("--port", type=int, default=DEFAULT_DAEMON_PORT,
-                        help=f"port of the daemon's /metrics (default {DEFAULT_DAEMON_PORT}; the next free one if busy)")
+                        help="port of the daemon's /metrics "
+                             f"(default {DEFAULT_DAEMON_PORT}; the next free one if busy)")
     parser.add_argument("--poll-interval", default="2s", help="the daemon's poll interval, wall time (default 2s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the simulated workloads")
 
@@ -127,6 +128,13 @@ def _progress(context_tokens: int, received: int, wanted: int) -> None:
               end="\n" if done else "", flush=True)
     elif done:
         print(f"   one stream alone, context {context_tokens:>6,} tokens: {wanted} tokens streamed", flush=True)
+
+
+def _number(value: object) -> float:
+    """A number of `stepbudget calibrate --json` output (a JSON object of plain values)."""
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
 
 
 def calibrate_against(url: str, model_name: str) -> dict[str, object]:
@@ -328,7 +336,8 @@ def tally_views(views: list[TargetView], alerts: ActiveAlerts, tallies: dict[str
         tally.polls += 1
         for name, _, _ in alerts.get((view.deployment, view.target), []):
             tally.alert_polls[name] = tally.alert_polls.get(name, 0) + 1
-        tally.max_predicted_step_seconds = max(tally.max_predicted_step_seconds, view.get("predicted_step_seconds") or 0)
+        tally.max_predicted_step_seconds = max(tally.max_predicted_step_seconds,
+                                               view.get("predicted_step_seconds") or 0)
         tally.max_measured_step_seconds = max(tally.max_measured_step_seconds, view.get("measured_step_seconds") or 0)
         tally.max_tokens_in_flight = max(tally.max_tokens_in_flight, view.get("tokens_in_flight") or 0)
         tally.step_budget_seconds = view.get("step_budget_seconds") or tally.step_budget_seconds
@@ -341,11 +350,14 @@ def summary(tallies: dict[str, Tally], pools: dict[str, Pool], wall_seconds: flo
         pool = pools.get(deployment)
         simulated = "" if pool is None else f" ({pool.scenario}, {pool.handle.simulator.now_seconds:,.0f} s simulated)"
         over = tally.alert_polls.get("PredictedStepOverBudget", 0)
-        verdict = f"OVER BUDGET in {over} of {tally.polls} polls" if over else f"within budget in all {tally.polls} polls"
+        verdict = (f"OVER BUDGET in {over} of {tally.polls} polls" if over
+                   else f"within budget in all {tally.polls} polls")
         lines.append(f"  {deployment}{simulated}: {verdict}; predicted step up to "
                      f"{_ms(tally.max_predicted_step_seconds).strip()}, measured up to "
-                     f"{_ms(tally.max_measured_step_seconds).strip()} (budget {_ms(tally.step_budget_seconds).strip()});"
-                     f" tokens in flight up to {_tokens(tally.max_tokens_in_flight)} of a {_tokens(tally.token_budget_tokens)}"
+                     f"{_ms(tally.max_measured_step_seconds).strip()} "
+                     f"(budget {_ms(tally.step_budget_seconds).strip()});"
+                     f" tokens in flight up to {_tokens(tally.max_tokens_in_flight)}"
+                     f" of a {_tokens(tally.token_budget_tokens)}"
                      f" token budget")
         others = {name: count for name, count in tally.alert_polls.items() if name != "PredictedStepOverBudget"}
         if others:
@@ -390,9 +402,12 @@ def _run(args: argparse.Namespace, duration: float | None, poll_seconds: float, 
     document = calibrate_against(idle.url, idle.simulator.spec.model_name)
     idle.stop()
     started.remove(idle.stop)
-    print(f"   effective bandwidth {float(document['effective_bandwidth_bytes_per_second']) / 1e12:.2f} TB/s "  # type: ignore[arg-type]
-          f"({float(document['bandwidth_efficiency']):.0%} of peak), per-step overhead "  # type: ignore[arg-type]
-          f"{float(document['step_overhead_seconds']) * 1e3:.2f} ms", flush=True)  # type: ignore[arg-type]
+    bandwidth = _number(document["effective_bandwidth_bytes_per_second"])
+    efficiency = _number(document["bandwidth_efficiency"])
+    overhead = _number(document["step_overhead_seconds"])
+    print(f"   effective bandwidth {bandwidth / 1e12:.2f} TB/s "
+          f"({efficiency:.0%} of peak), per-step overhead "
+          f"{overhead * 1e3:.2f} ms", flush=True)
     if stop.is_set():
         return 0
     calibration_path = workdir / "calibration.json"

@@ -12,6 +12,7 @@ Library entry points for other verbs (`stepbudget demo`): `measure_stream` and `
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -90,7 +91,8 @@ def discover_model_name(url: str, timeout_seconds: float) -> str:
     except (urllib.error.URLError, OSError) as error:
         raise ServerError(f"GET {endpoint}: {_reason(error)}") from None
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ServerError(f"GET {endpoint}: no model listed (expected {{\"data\": [{{\"id\": ...}}]}}); give --model-name") from None
+        raise ServerError(f"GET {endpoint}: no model listed "
+                          '(expected {"data": [{"id": ...}]}); give --model-name') from None
 
 
 def _reason(error: Exception) -> str:
@@ -140,7 +142,7 @@ def measure_stream(
         raise ServerError(f"POST {endpoint}: {_reason(error)}") from None
     if len(arrivals) < 3:
         raise ServerError(f"POST {endpoint}: the stream ended after {len(arrivals)} chunks; at least 3 are needed")
-    gaps = tuple(later - earlier for earlier, later in zip(arrivals, arrivals[1:]))
+    gaps = tuple(later - earlier for earlier, later in itertools.pairwise(arrivals))
     return StreamMeasurement(context_tokens, output_tokens, arrivals[0] - started, gaps)
 
 
@@ -202,7 +204,8 @@ def parse_itl_point(text: str) -> tuple[float, float, float]:
     16 requests sharing 32,000 tokens in flight."""
     seconds_text, at, load_text = text.partition("@")
     if not at:
-        raise InputError(f"--itl {text!r}: expected the form SECONDS@TOKENS[xREQUESTS], e.g. 0.0082@2000 or 0.012@32000x16")
+        raise InputError(f"--itl {text!r}: expected the form SECONDS@TOKENS[xREQUESTS], "
+                         "e.g. 0.0082@2000 or 0.012@32000x16")
     seconds = parse_duration_seconds(seconds_text, f"--itl {text!r}")
     tokens_text, times, requests_text = load_text.partition("x")
     requests = parse_positive_float(requests_text, f"--itl {text!r} requests") if times else 1.0
@@ -223,7 +226,7 @@ def calibration_to_json(resolved: ResolvedSetup, calibration: Calibration,
     peak = resolved.gpu.peak_bandwidth_bytes_per_second
     points = []
     for index, (point, fitted, residual) in enumerate(
-            zip(calibration.points, calibration.fitted_seconds, calibration.residual_ratios)):
+            zip(calibration.points, calibration.fitted_seconds, calibration.residual_ratios, strict=True)):
         entry: dict[str, object] = {
             "itl_seconds": point.itl_seconds, "tokens_in_flight": point.tokens_in_flight,
             "running_requests": point.running_requests,
@@ -277,12 +280,15 @@ def format_calibration(resolved: ResolvedSetup, calibration: Calibration) -> str
     if calibration.per_request_fitted:
         lines.append(f"per-request cost     {calibration.per_request_seconds * 1e6:,.2f} us per running request (fit)")
     if calibration.effective_compute_flops_per_second is not None:
-        lines.append(f"effective compute    {calibration.effective_compute_flops_per_second / 1e12:,.1f} TFLOP/s per GPU (fit)")
+        compute = calibration.effective_compute_flops_per_second
+        lines.append(f"effective compute    {compute / 1e12:,.1f} TFLOP/s per GPU (fit)")
     lines.append(f"residuals            {calibration.residual_rms_seconds * 1e3:,.3f} ms root mean square")
     lines.append("points:")
-    for point, fitted, residual in zip(calibration.points, calibration.fitted_seconds, calibration.residual_ratios):
+    for point, fitted, residual in zip(calibration.points, calibration.fitted_seconds, calibration.residual_ratios,
+                                       strict=True):
         lines.append(
-            f"  {point.tokens_in_flight:>10,.0f} tokens x{point.running_requests:<4.0f} itl {point.itl_seconds * 1e3:8.3f} ms  "
+            f"  {point.tokens_in_flight:>10,.0f} tokens x{point.running_requests:<4.0f} "
+            f"itl {point.itl_seconds * 1e3:8.3f} ms  "
             f"reads {point.read_bytes / 1e9:8.3f} GB  -> {point.bandwidth_bytes_per_second / 1e12:6.3f} TB/s  "
             f"fit {fitted * 1e3:8.3f} ms  residual {residual:+.1%}"
         )
@@ -356,7 +362,8 @@ def _whole_tokens(text: str, flag: str) -> int:
 
 def _live_measurements(args: argparse.Namespace) -> list[StreamMeasurement]:
     timeout_seconds = parse_duration_seconds(args.timeout, "--timeout")
-    contexts = [_whole_tokens(args.short_context, "--short-context"), _whole_tokens(args.long_context, "--long-context")]
+    contexts = [_whole_tokens(args.short_context, "--short-context"),
+                _whole_tokens(args.long_context, "--long-context")]
     output_tokens = _whole_tokens(args.tokens, "--tokens")
     if output_tokens < 3:
         raise InputError(f"--tokens {args.tokens!r}: at least 3 are needed (the first gap is dropped)")

@@ -25,7 +25,7 @@ class ResolvedSetup:
 
 def _is_path_like(model_name_or_path: str) -> bool:
     """A model argument is a path when it says so: it holds a path separator or ends in .json."""
-    separators = {"/", os.path.sep, os.path.altsep} - {None}
+    separators = {separator for separator in ("/", os.path.sep, os.path.altsep) if separator}
     return any(separator in model_name_or_path for separator in separators) or model_name_or_path.endswith(".json")
 
 

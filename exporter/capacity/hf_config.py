@@ -309,14 +309,16 @@ def _mpt(config: _Config, name: str) -> Architecture:
     ffn = int(config.require("expansion_ratio") * hidden)
     attn = config.get("attn_config", {}) or {}
     attn_type = attn.get("attn_type", "multihead_attention")
-    kv_heads = {"multiquery_attention": 1, "grouped_query_attention": attn.get("kv_n_heads", heads)}.get(attn_type, heads)
+    kv_heads = {"multiquery_attention": 1,
+                "grouped_query_attention": attn.get("kv_n_heads", heads)}.get(attn_type, heads)
     head_dim = hidden // heads
     biased = not config.get("no_bias", False)
     # Fused Wqkv, out_proj, up and down (plain GELU MLP), two LayerNorms; biases unless no_bias.
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + hidden * hidden + 2 * hidden * ffn + 2 * hidden
     if biased:
         per_layer += (heads + 2 * kv_heads) * head_dim + hidden + ffn + hidden + 2 * hidden
-    positions = 0 if attn.get("alibi", False) or not config.get("learned_pos_emb", True) else config.integer("max_seq_len") * hidden
+    learned_positions = not attn.get("alibi", False) and config.get("learned_pos_emb", True)
+    positions = config.integer("max_seq_len") * hidden if learned_positions else 0
     params = layers * per_layer + vocab * hidden + positions + hidden * (2 if biased else 1)
     return Architecture(
         name=name, layers=layers, hidden_size=hidden, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim,

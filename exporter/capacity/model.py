@@ -339,7 +339,8 @@ def _weight_bytes_of(params: float, arch: Architecture, weight_bytes_per_param: 
     if weight_bytes_per_param >= UNQUANTIZED_BYTES_PER_PARAM:
         return params * weight_bytes_per_param / tensor_parallel
     sixteen_bit = min(arch.unquantized_params, params)
-    return (sixteen_bit * UNQUANTIZED_BYTES_PER_PARAM + (params - sixteen_bit) * weight_bytes_per_param) / tensor_parallel
+    return (sixteen_bit * UNQUANTIZED_BYTES_PER_PARAM
+            + (params - sixteen_bit) * weight_bytes_per_param) / tensor_parallel
 
 
 def input_embedding_bytes(arch: Architecture, weight_bytes_per_param: float, tensor_parallel: int = 1) -> float:
@@ -356,7 +357,7 @@ def expected_distinct_experts(experts: int, experts_per_token: int, tokens: floa
     """
     if tokens <= 0:
         return 0.0
-    return experts * (1.0 - (1.0 - experts_per_token / experts) ** tokens)
+    return experts * (1.0 - math.pow(1.0 - experts_per_token / experts, tokens))
 
 
 def weight_read_bytes(
@@ -471,7 +472,7 @@ def groups_from_total(tokens_in_flight: float, running_requests: float) -> list[
     """
     if tokens_in_flight < 0 or running_requests < 0:
         raise InputError("tokens in flight and running requests must not be negative")
-    count = int(round(running_requests))
+    count = round(running_requests)
     if count == 0:
         return [RequestGroup(1, tokens_in_flight)] if tokens_in_flight > 0 else []
     return [RequestGroup(count, tokens_in_flight / count)]
@@ -615,7 +616,7 @@ def blocks_for_tokens(tokens: float, block_size_tokens: int = DEFAULT_BLOCK_SIZE
 
 
 def kv_cache_bytes(setup: ServingSetup) -> float:
-    """Memory left for the KV cache on each GPU: memory·utilization − weights − reserved."""
+    """Memory left for the KV cache on each GPU: memory·utilization - weights - reserved."""
     weights = weight_bytes(setup.architecture, setup.weight_bytes_per_param, setup.tensor_parallel)
     usable = setup.gpu_memory_bytes * setup.gpu_memory_utilization
     return max(0.0, usable - weights - setup.reserved_memory_bytes)
@@ -702,12 +703,13 @@ class Calibration:
 
     @property
     def residual_ratios(self) -> tuple[float, ...]:
-        return tuple((fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(self.points, self.fitted_seconds))
+        return tuple((fit - p.itl_seconds) / p.itl_seconds
+                     for p, fit in zip(self.points, self.fitted_seconds, strict=True))
 
     @property
     def residual_rms_seconds(self) -> float:
         """Root mean square of the fit's residuals: how far the fitted terms are from the points."""
-        squares = [(fit - p.itl_seconds) ** 2 for p, fit in zip(self.points, self.fitted_seconds)]
+        squares = [(fit - p.itl_seconds) ** 2 for p, fit in zip(self.points, self.fitted_seconds, strict=True)]
         return math.sqrt(sum(squares) / len(squares))
 
 
@@ -846,7 +848,7 @@ def _fit_non_negative(points: tuple[CalibrationPoint, ...], terms: list[str], no
                 "calibration points disagree: the inter-token latency does not grow with the bytes read, "
                 "so these points cannot come from one model on one server"
             )
-        negative = [(value, term) for value, term in zip(solution[1:], active) if value < 0]
+        negative = [(value, term) for value, term in zip(solution[1:], active, strict=True) if value < 0]
         if negative:
             dropped = min(negative)[1]
             notes.append(f"the fit gave a negative {dropped.replace('_', '-')} cost; refitted without it")
@@ -909,13 +911,13 @@ def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_
             excess = [_compute_excess_seconds(p, inverse_compute, coefficients["inverse_bandwidth"]) for p in points]
             rows = [[p.read_bytes] + [_column(p, term) for term in terms] for p in points]
             try:
-                solution = _least_squares(rows, [p.itl_seconds - e for p, e in zip(points, excess)])
+                solution = _least_squares(rows, [p.itl_seconds - e for p, e in zip(points, excess, strict=True)])
             except InputError:
                 break
             if solution[0] <= 0 or 1.0 / solution[0] > bounds.max_bandwidth_bytes_per_second or any(
                     not 0 <= value <= bounds.upper(term) for value, term in zip(solution[1:], terms, strict=True)):
                 break
-            coefficients = {"inverse_bandwidth": solution[0], **dict(zip(terms, solution[1:]))}
+            coefficients = {"inverse_bandwidth": solution[0], **dict(zip(terms, solution[1:], strict=True))}
         if len(coefficients) != len(terms) + 1:
             continue
         residuals = _squared_residuals(points, coefficients, inverse_compute)
@@ -924,7 +926,8 @@ def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_
     return best
 
 
-def _squared_residuals(points: tuple[CalibrationPoint, ...], coefficients: dict[str, float], inverse_compute: float) -> float:
+def _squared_residuals(points: tuple[CalibrationPoint, ...], coefficients: dict[str, float],
+                       inverse_compute: float) -> float:
     return sum((_fitted_seconds(p, coefficients, inverse_compute) - p.itl_seconds) ** 2 for p in points)
 
 
@@ -934,14 +937,14 @@ def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) ->
     scales = [max(abs(row[j]) for row in rows) or 1.0 for j in range(width)]
     scaled = [[row[j] / scales[j] for j in range(width)] for row in rows]
     gram = [[sum(r[i] * r[j] for r in scaled) for j in range(width)] for i in range(width)]
-    moments = [sum(r[i] * t for r, t in zip(scaled, targets)) for i in range(width)]
-    return [value / scale for value, scale in zip(solve_linear(gram, moments), scales)]
+    moments = [sum(r[i] * t for r, t in zip(scaled, targets, strict=True)) for i in range(width)]
+    return [value / scale for value, scale in zip(solve_linear(gram, moments), scales, strict=True)]
 
 
 def solve_linear(matrix: list[list[float]], vector: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting; a singular system is an InputError."""
     size = len(vector)
-    augmented = [row[:] + [value] for row, value in zip(matrix, vector)]
+    augmented = [[*row, value] for row, value in zip(matrix, vector, strict=True)]
     for column in range(size):
         pivot = max(range(column, size), key=lambda r: abs(augmented[r][column]))
         if abs(augmented[pivot][column]) < 1e-12:
@@ -949,7 +952,7 @@ def solve_linear(matrix: list[list[float]], vector: list[float]) -> list[float]:
         augmented[column], augmented[pivot] = augmented[pivot], augmented[column]
         for row in range(column + 1, size):
             factor = augmented[row][column] / augmented[column][column]
-            augmented[row] = [a - factor * b for a, b in zip(augmented[row], augmented[column])]
+            augmented[row] = [a - factor * b for a, b in zip(augmented[row], augmented[column], strict=True)]
     solution = [0.0] * size
     for row in reversed(range(size)):
         known = sum(augmented[row][k] * solution[k] for k in range(row + 1, size))
@@ -964,7 +967,8 @@ def calibration_point(setup: ServingSetup, itl_seconds: float, tokens_in_flight:
     `tokens_in_flight` is shared by `running_requests` equal requests (one stream: its context)."""
     step = predict_step(setup, groups_from_total(tokens_in_flight, running_requests))
     return CalibrationPoint(itl_seconds, tokens_in_flight, step.read_bytes, max(1.0, running_requests),
-                            step.weight_read_bytes, step.gemm_compute_seconds * setup.effective_compute_flops_per_second)
+                            step.weight_read_bytes,
+                            step.gemm_compute_seconds * setup.effective_compute_flops_per_second)
 
 
 def single_stream_read_bytes(setup: ServingSetup, context_tokens: float) -> float:

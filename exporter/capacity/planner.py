@@ -89,16 +89,22 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"model preset or path to a Hugging Face config.json (default {DEFAULT_MODEL})")
     group.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU preset (default {DEFAULT_GPU})")
     group.add_argument("--gpu-memory", help="GPU memory, overrides the preset's: bytes or 80GB, 40GiB (MIG slices)")
-    group.add_argument("--params", help="total parameter count, overrides the preset's or the computed one (8.19e9, 8.19B)")
+    group.add_argument("--params",
+                       help="total parameter count, overrides the preset's or the computed one (8.19e9, 8.19B)")
     group.add_argument("--tp", default="1", help="tensor-parallel GPUs per replica (default 1)")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto (16-bit), fp8, ... (default auto)")
     group.add_argument("--weight-dtype", default=None,
-                       help="bf16, fp16, fp8, int8, int4, awq, gptq (default: the config.json's quantization_config, else bf16)")
-    group.add_argument("--gpu-memory-utilization", default="0.9", help="share of GPU memory the server may use (default 0.9)")
+                       help="bf16, fp16, fp8, int8, int4, awq, gptq "
+                            "(default: the config.json's quantization_config, else bf16)")
+    group.add_argument("--gpu-memory-utilization", default="0.9",
+                       help="share of GPU memory the server may use (default 0.9)")
     group.add_argument("--reserved-memory", default="0",
-                       help="memory kept for activations and CUDA graphs, e.g. 4GiB (default 0: capacity is an upper bound)")
+                       help="memory kept for activations and CUDA graphs, e.g. 4GiB "
+                            "(default 0: capacity is an upper bound)")
     rates = parser.add_argument_group("rates")
-    rates.add_argument("--bandwidth", help="effective memory bandwidth in bytes/s (e.g. 2.01e12 or 2TB); overrides --bandwidth-efficiency")
+    rates.add_argument("--bandwidth",
+                       help="effective memory bandwidth in bytes/s (e.g. 2.01e12 or 2TB); "
+                            "overrides --bandwidth-efficiency")
     rates.add_argument("--bandwidth-efficiency", default=str(model.DEFAULT_BANDWIDTH_EFFICIENCY),
                        help="share of the datasheet bandwidth reached (default 0.6)")
     rates.add_argument("--compute-efficiency", default=str(model.DEFAULT_COMPUTE_EFFICIENCY),
@@ -138,7 +144,8 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
         bandwidth_is_calibrated=bandwidth_is_calibrated,
         bandwidth_efficiency=_parse_fraction(args.bandwidth_efficiency, "--bandwidth-efficiency"),
         compute_efficiency=_parse_fraction(args.compute_efficiency, "--compute-efficiency"),
-        step_overhead_seconds=parse_overhead_seconds(args.step_overhead, "--step-overhead") if args.step_overhead else 0.0,
+        step_overhead_seconds=(parse_overhead_seconds(args.step_overhead, "--step-overhead")
+                               if args.step_overhead else 0.0),
     )
 
 
@@ -216,7 +223,8 @@ class Plan:
         return self.resolved.setup
 
 
-def predict_loads(setup: ServingSetup, loads: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0) -> LoadPrediction:
+def predict_loads(setup: ServingSetup, loads: Sequence[RequestGroup],
+                  prefill_tokens_per_step: float = 0.0) -> LoadPrediction:
     """All loads decode in the same step: bytes add up, so does compute."""
     step = model.predict_step(setup, list(loads), prefill_tokens_per_step)
     return LoadPrediction(loads=tuple(loads), prefill_tokens_per_step=prefill_tokens_per_step, step=step)
@@ -309,7 +317,8 @@ def plan_to_json(plan: Plan) -> dict[str, object]:
             "meets_target": step.step_seconds <= plan.step_budget_seconds,
         })
     if plan.concurrency:
-        out["max_concurrency"] = [{"context_tokens": c.context_tokens, "sequences": c.sequences} for c in plan.concurrency]
+        out["max_concurrency"] = [{"context_tokens": c.context_tokens, "sequences": c.sequences}
+                                  for c in plan.concurrency]
     return out
 
 
@@ -325,16 +334,20 @@ def _gb(value: float) -> str:
 def format_plan(plan: Plan) -> str:
     setup, arch = plan.setup, plan.setup.architecture
     rows: list[tuple[str, str]] = [
-        ("model", f"{arch.name} ({arch.params / 1e9:,.2f}B params) on {plan.resolved.gpu.name} x{setup.tensor_parallel}"),
+        ("model", f"{arch.name} ({arch.params / 1e9:,.2f}B params) "
+                  f"on {plan.resolved.gpu.name} x{setup.tensor_parallel}"),
         ("KV bytes per token", f"{plan.kv_bytes_per_token:,.0f} B ({plan.kv_bytes_per_token / 1024:,.1f} KiB)"),
         ("weights per GPU", _gb(plan.weight_bytes)),
         ("KV cache memory", _gb(plan.kv_cache_bytes)),
-        ("KV capacity", f"{plan.kv_capacity_tokens:,} tokens (upper bound: no activations/CUDA graphs unless --reserved-memory)"),
+        ("KV capacity", f"{plan.kv_capacity_tokens:,} tokens "
+                        "(upper bound: no activations/CUDA graphs unless --reserved-memory)"),
         *([] if weights_fit(plan) else [("WARNING", "the weights do not fit in the usable GPU memory: raise --tp, "
                                                      "use a smaller --weight-dtype or a larger GPU")]),
-        ("effective bandwidth", f"{setup.effective_bandwidth_bytes_per_second / 1e12:,.3f} TB/s ({plan.resolved.bandwidth_source})"),
+        ("effective bandwidth", f"{setup.effective_bandwidth_bytes_per_second / 1e12:,.3f} TB/s "
+                                f"({plan.resolved.bandwidth_source})"),
         ("one user alone", f"{plan.single_user_tokens_per_second:,.1f} tok/s"),
-        ("step budget", f"{plan.step_budget_seconds * 1e3:,.2f} ms ({plan.target_tokens_per_second:g} tok/s per user, headroom {plan.headroom:g})"),
+        ("step budget", f"{plan.step_budget_seconds * 1e3:,.2f} ms "
+                        f"({plan.target_tokens_per_second:g} tok/s per user, headroom {plan.headroom:g})"),
         ("token budget", f"{plan.token_budget_tokens:,.0f} tokens in flight"),
         ("budget assumes", plan.budget_context.reason),
     ]
@@ -346,11 +359,14 @@ def format_plan(plan: Plan) -> str:
             ("loads", loads_text(prediction.loads)
              + (f" + {prediction.prefill_tokens_per_step:,.0f}-token prefill chunk per step"
                 if prediction.prefill_tokens_per_step else "")),
-            ("tokens in flight", f"{step.tokens_in_flight:,.0f} ({step.tokens_in_flight / plan.kv_capacity_tokens:.0%} of capacity)"
+            ("tokens in flight", f"{step.tokens_in_flight:,.0f} "
+                                 f"({step.tokens_in_flight / plan.kv_capacity_tokens:.0%} of capacity)"
              if plan.kv_capacity_tokens else f"{step.tokens_in_flight:,.0f}"),
             ("predicted step", f"{step.step_seconds * 1e3:,.2f} ms (memory {step.memory_seconds * 1e3:,.2f} ms, "
-                               f"compute {step.compute_seconds * 1e3:,.2f} ms, overhead {step.overhead_seconds * 1e3:,.2f} ms)"),
-            ("per-user speed", f"{step.user_tokens_per_second:,.1f} tok/s ({verdict} the {plan.target_tokens_per_second:g} tok/s target)"),
+                               f"compute {step.compute_seconds * 1e3:,.2f} ms, "
+                               f"overhead {step.overhead_seconds * 1e3:,.2f} ms)"),
+            ("per-user speed", f"{step.user_tokens_per_second:,.1f} tok/s "
+                               f"({verdict} the {plan.target_tokens_per_second:g} tok/s target)"),
         ]
     rows += [(f"fits at {c.context_tokens:,.0f} tokens", f"{c.sequences:,} sequences") for c in plan.concurrency]
     width = max(len(label) for label, _ in rows)

@@ -111,7 +111,8 @@ def pool_speed(setup: ServingSetup, loads: Sequence[RequestGroup], step_budget_s
 def plan_pools(setup: ServingSetup, loads: Sequence[RequestGroup], split_tokens: float, *,
                target_tokens_per_second: float, headroom: float = model.DEFAULT_HEADROOM) -> PoolsPlan:
     if not loads:
-        raise InputError("--pools needs the mix: give --load COUNTxTOKENS (repeatable), e.g. --load 40x2000 --load 2x100000")
+        raise InputError("--pools needs the mix: give --load COUNTxTOKENS (repeatable), "
+                         "e.g. --load 40x2000 --load 2x100000")
     if not split_tokens > 0:
         raise InputError(f"--split must be greater than zero, got {split_tokens!r}")
     budget = model.step_budget_seconds(target_tokens_per_second, headroom)
@@ -133,9 +134,11 @@ def plan_pools(setup: ServingSetup, loads: Sequence[RequestGroup], split_tokens:
 def add_pools_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pools (plan --pools)")
     group.add_argument("--pools", action="store_true",
-                       help="per-user speed of each class of the --load mix: one shared pool vs long sessions on their own GPUs")
+                       help="per-user speed of each class of the --load mix: "
+                            "one shared pool vs long sessions on their own GPUs")
     group.add_argument("--split", metavar="TOKENS",
-                       help=f"context above which a request belongs to the long-context pool (default {DEFAULT_SPLIT_TOKENS:,})")
+                       help="context above which a request belongs to the long-context pool "
+                            f"(default {DEFAULT_SPLIT_TOKENS:,})")
 
 
 def parse_split(text: str | None) -> float:
@@ -211,7 +214,7 @@ def format_pools(pools: PoolsPlan) -> str:
                      f"{shared.user_tokens_per_second:,.1f} tok/s", f"{pool.user_tokens_per_second:,.1f} tok/s",
                      _replicas_text(pool.replicas_for_target)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     split_total = pools.split_replicas_for_target
     lines = [
         f"target {target:g} tok/s per user: step budget {pools.step_budget_seconds * 1e3:,.2f} ms, "

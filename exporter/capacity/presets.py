@@ -55,7 +55,8 @@ GPUS: dict[str, Gpu] = {
     # NVIDIA HGX B200 datasheet: 180 GB HBM3e per GPU at 8 TB/s; BF16 2.25 PFLOPS dense, FP8 4.5 dense.
     "b200": Gpu("b200", 180 * _GB, 8.0 * _TB, {"bf16": 2250e12, "fp8": 4500e12}, "NVIDIA HGX B200 datasheet"),
     # AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s; BF16 1307.4 TFLOPS dense, FP8 2614.9 dense.
-    "mi300x": Gpu("mi300x", 192 * _GB, 5.3 * _TB, {"bf16": 1307.4e12, "fp8": 2614.9e12}, "AMD Instinct MI300X datasheet"),
+    "mi300x": Gpu("mi300x", 192 * _GB, 5.3 * _TB, {"bf16": 1307.4e12, "fp8": 2614.9e12},
+                  "AMD Instinct MI300X datasheet"),
 }
 
 MODELS: dict[str, Architecture] = {

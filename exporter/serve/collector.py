@@ -37,47 +37,69 @@ def _field(name: str) -> Callable[[Reading], float | None]:
 
 
 PER_TARGET: tuple[PerTarget, ...] = (
-    PerTarget("stepbudget_target_up", "gauge", "1 if the last poll of the target's /metrics succeeded and was readable, else 0.",
+    PerTarget("stepbudget_target_up", "gauge",
+              "1 if the last poll of the target's /metrics succeeded and was readable, else 0.",
               lambda r: 1.0 if r.target_up else 0.0),
-    PerTarget("stepbudget_target_scrape_duration_seconds", "gauge", "Seconds the last poll of the target took (fetch and parse).",
+    PerTarget("stepbudget_target_scrape_duration_seconds", "gauge",
+              "Seconds the last poll of the target took (fetch and parse).",
               _field("scrape_duration_seconds")),
-    PerTarget("stepbudget_target_last_success_timestamp_seconds", "gauge", "Unix time of the last successful poll of the target.",
+    PerTarget("stepbudget_target_last_success_timestamp_seconds", "gauge",
+              "Unix time of the last successful poll of the target.",
               _field("last_success_timestamp_seconds")),
-    PerTarget("stepbudget_tokens_in_flight", "gauge", "Tokens held in the KV cache by running requests: KV usage ratio x capacity" + POLLED + ".",
+    PerTarget("stepbudget_tokens_in_flight", "gauge",
+              "Tokens held in the KV cache by running requests: KV usage ratio x capacity" + POLLED + ".",
               _field("tokens_in_flight")),
-    PerTarget("stepbudget_kv_cache_capacity_tokens", "gauge", "Tokens one engine's KV cache holds (vllm:cache_config_info; the model's estimate when the page lacks it, see stepbudget_estimated_info).",
+    PerTarget("stepbudget_kv_cache_capacity_tokens", "gauge",
+              "Tokens one engine's KV cache holds (vllm:cache_config_info; the model's estimate when the page lacks "
+              "it, see stepbudget_estimated_info).",
               _field("kv_cache_capacity_tokens")),
-    PerTarget("stepbudget_kv_cache_usage_ratio", "gauge", "KV cache usage, 0-1 (vllm:kv_cache_usage_perc)" + POLLED + ".",
+    PerTarget("stepbudget_kv_cache_usage_ratio", "gauge",
+              "KV cache usage, 0-1 (vllm:kv_cache_usage_perc)" + POLLED + ".",
               _field("kv_cache_usage_ratio")),
-    PerTarget("stepbudget_requests_running", "gauge", "Requests in the running batch (vllm:num_requests_running)" + POLLED + ".",
+    PerTarget("stepbudget_requests_running", "gauge",
+              "Requests in the running batch (vllm:num_requests_running)" + POLLED + ".",
               _field("requests_running")),
-    PerTarget("stepbudget_requests_waiting", "gauge", "Requests waiting to be scheduled (vllm:num_requests_waiting)" + POLLED + ".",
+    PerTarget("stepbudget_requests_waiting", "gauge",
+              "Requests waiting to be scheduled (vllm:num_requests_waiting)" + POLLED + ".",
               _field("requests_waiting")),
-    PerTarget("stepbudget_preemptions_total", "counter", "The server's own preemption counter (vllm:num_preemptions_total)" + POLLED + ".",
+    PerTarget("stepbudget_preemptions_total", "counter",
+              "The server's own preemption counter (vllm:num_preemptions_total)" + POLLED + ".",
               _field("preemptions_total")),
-    PerTarget("stepbudget_prefill_tokens_per_step", "gauge", "Prompt tokens computed per engine step over the last poll window (prefix-cache hits excluded).",
+    PerTarget("stepbudget_prefill_tokens_per_step", "gauge",
+              "Prompt tokens computed per engine step over the last poll window (prefix-cache hits excluded).",
               _field("prefill_tokens_per_step")),
-    PerTarget("stepbudget_step_read_bytes", "gauge", "Predicted bytes one decode step reads per GPU: weights plus the KV cache of every running request.",
+    PerTarget("stepbudget_step_read_bytes", "gauge",
+              "Predicted bytes one decode step reads per GPU: weights plus the KV cache of every running request.",
               _field("step_read_bytes")),
-    PerTarget("stepbudget_predicted_step_seconds", "gauge", "Predicted decode step time: overhead + max(memory step, compute step), the mean over the window's mix of steps where the page gives it.",
+    PerTarget("stepbudget_predicted_step_seconds", "gauge",
+              "Predicted decode step time: overhead + max(memory step, compute step), the mean over the window's mix "
+              "of steps where the page gives it.",
               _field("predicted_step_seconds")),
-    PerTarget("stepbudget_predicted_memory_step_seconds", "gauge", "Predicted memory-bound step time: bytes read per step / effective bandwidth.",
+    PerTarget("stepbudget_predicted_memory_step_seconds", "gauge",
+              "Predicted memory-bound step time: bytes read per step / effective bandwidth.",
               _field("predicted_memory_step_seconds")),
-    PerTarget("stepbudget_predicted_compute_step_seconds", "gauge", "Predicted compute-bound step time: 2 x active params x tokens in step / effective compute.",
+    PerTarget("stepbudget_predicted_compute_step_seconds", "gauge",
+              "Predicted compute-bound step time: 2 x active params x tokens in step / effective compute.",
               _field("predicted_compute_step_seconds")),
-    PerTarget("stepbudget_measured_step_seconds", "gauge", "Measured mean step time (inter-token latency) over the last poll window.",
+    PerTarget("stepbudget_measured_step_seconds", "gauge",
+              "Measured mean step time (inter-token latency) over the last poll window.",
               _field("measured_step_seconds")),
-    PerTarget("stepbudget_measured_step_median_seconds", "gauge", "Median inter-token latency over the last poll window, interpolated from histogram buckets.",
+    PerTarget("stepbudget_measured_step_median_seconds", "gauge",
+              "Median inter-token latency over the last poll window, interpolated from histogram buckets.",
               _field("measured_step_median_seconds")),
     PerTarget("stepbudget_prediction_error_ratio", "gauge", "(predicted - measured) / measured step time.",
               _field("prediction_error_ratio")),
-    PerTarget("stepbudget_predicted_user_tokens_per_second", "gauge", "Predicted decode speed of every stream: 1 / predicted step time.",
+    PerTarget("stepbudget_predicted_user_tokens_per_second", "gauge",
+              "Predicted decode speed of every stream: 1 / predicted step time.",
               _field("predicted_user_tokens_per_second")),
-    PerTarget("stepbudget_step_budget_seconds", "gauge", "Longest step that meets the speed target: headroom / target tokens per second.",
+    PerTarget("stepbudget_step_budget_seconds", "gauge",
+              "Longest step that meets the speed target: headroom / target tokens per second.",
               _field("step_budget_seconds")),
-    PerTarget("stepbudget_token_budget_tokens", "gauge", "Most tokens in flight whose predicted step fits the step budget (0: the model alone misses it).",
+    PerTarget("stepbudget_token_budget_tokens", "gauge",
+              "Most tokens in flight whose predicted step fits the step budget (0: the model alone misses it).",
               _field("token_budget_tokens")),
-    PerTarget("stepbudget_token_budget_utilization_ratio", "gauge", "Tokens in flight / token budget (over 1: the step is over budget).",
+    PerTarget("stepbudget_token_budget_utilization_ratio", "gauge",
+              "Tokens in flight / token budget (over 1: the step is over budget).",
               _field("token_budget_utilization_ratio")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
@@ -117,7 +139,8 @@ class StepBudgetCollector(Collector):
         # building it per sample was a tenth of a 1,000-target scrape (benchmarks/results/scale.md).
         labelled = [(reading, reading.labels) for reading in readings]
         for spec in PER_TARGET:
-            family = Metric(spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name, spec.help, spec.kind)
+            family = Metric(spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name,
+                            spec.help, spec.kind)
             add_sample, name, value_of = family.add_sample, spec.name, spec.value
             for reading, labels in labelled:
                 value = value_of(reading)
@@ -134,7 +157,8 @@ class StepBudgetCollector(Collector):
                            "label quantity names the stepbudget_ series, reason why (docs/operations.md).", "info")
         for reading, labels in labelled:
             for quantity, reason in reading.estimated:
-                estimated.add_sample("stepbudget_estimated_info", {**labels, "quantity": quantity, "reason": reason}, 1.0)
+                estimated.add_sample("stepbudget_estimated_info",
+                                     {**labels, "quantity": quantity, "reason": reason}, 1.0)
         yield estimated
         yield from self._per_deployment(readings)
         build = Metric("stepbudget_build", "stepbudget build information.", "info")
@@ -145,7 +169,8 @@ class StepBudgetCollector(Collector):
         kv = Metric("stepbudget_kv_bytes_per_token", "KV cache bytes one token costs per GPU, all layers.", "gauge")
         weights = Metric("stepbudget_weight_bytes", "Model weight bytes resident on each GPU.", "gauge")
         info = Metric("stepbudget_model", "The model and hardware each deployment is predicted with; "
-                      "kv_cache_dtype is the servers' own where their pages say it (configured_kv_cache_dtype: the config's).",
+                      "kv_cache_dtype is the servers' own where their pages say it "
+                      "(configured_kv_cache_dtype: the config's).",
                       "info")
         page_dtypes: dict[str, set[str]] = {}
         for reading in readings:
@@ -157,8 +182,10 @@ class StepBudgetCollector(Collector):
             setup = page_setup(deployment.resolved.setup, page_dtype, None)
             arch = setup.architecture
             labels = {"deployment": deployment.name}
-            kv.add_sample(kv.name, labels, model.kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel))
-            weights.add_sample(weights.name, labels, model.weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
+            kv.add_sample(kv.name, labels,
+                          model.kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel))
+            weights.add_sample(weights.name, labels,
+                               model.weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
             info.add_sample("stepbudget_model_info", {
                 "deployment": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
                 "tensor_parallel": str(deployment.tensor_parallel),

@@ -4,9 +4,10 @@ Why a table: every key has one place that says its type, default and meaning, so
 defaults, `docs/operations.md`, the chart's JSON schema and flag overrides cannot drift apart. The
 optional sections (`shard`, `admission`, `pools`) are declared next to their features with the
 public validators of `exporter/config_validators.py` and listed here, in `daemon_sections`, the
-one place that says what a config may hold (`top_level_keys` joins them to the core keys): whether a config is valid never depends on which modules
-happen to be imported. A bad key is reported as `FILE:LINE: PATH: problem`, where PATH reads like
-`deployments[1].targets.static[0]`, and the CLI exits 2.
+one place that says what a config may hold (`top_level_keys` joins them to the core keys): whether
+a config is valid never depends on which modules happen to be imported. A bad key is reported as
+`FILE:LINE: PATH: problem`, where PATH reads like `deployments[1].targets.static[0]`, and the CLI
+exits 2.
 
 `stepbudget check-config` runs `run` below; it imports the config's own modules only, never the
 daemon's poller or server.
@@ -154,11 +155,13 @@ def targets_check(result: dict[str, Any], where: Where) -> None:
     if not any(result[name] for name in ("static", "dns", "kubernetes", "prometheus")):
         raise Invalid("give at least one of static, dns, kubernetes, prometheus")
     if result["prometheus"] and any(result[name] for name in ("static", "dns", "kubernetes")):
-        raise Invalid("prometheus reads every target from Prometheus: give it alone, not with static, dns or kubernetes")
+        raise Invalid("prometheus reads every target from Prometheus: "
+                      "give it alone, not with static, dns or kubernetes")
 
 
 DNS_KEYS: Table = {
-    "name": Key(string, REQUIRED, "DNS name resolving to every pod, e.g. a headless Service `vllm.ns.svc.cluster.local`"),
+    "name": Key(string, REQUIRED,
+                "DNS name resolving to every pod, e.g. a headless Service `vllm.ns.svc.cluster.local`"),
     "port": Key(port, 8000, "port of the model server's metrics endpoint"),
     "path": Key(url_path, "/metrics", "metrics path"),
     "scheme": Key(choice("http", "https"), "http", "http or https"),
@@ -169,10 +172,12 @@ KUBERNETES_KEYS: Table = {
     "port": Key(port, 8000, "port of the metrics endpoint on each pod"),
     "path": Key(url_path, "/metrics", "metrics path"),
     "scheme": Key(choice("http", "https"), "http", "http or https"),
-    "kubeconfig": Key(existing_file, None, "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
+    "kubeconfig": Key(existing_file, None,
+                      "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
 }
 AUTH_KEYS: Table = {
-    "bearer_token_file": Key(existing_file, None, "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
+    "bearer_token_file": Key(existing_file, None,
+                             "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
     "bearer_token_env": Key(string, None, "name of an environment variable holding a bearer token"),
 }
 TLS_KEYS: Table = {
@@ -180,13 +185,16 @@ TLS_KEYS: Table = {
     "insecure_skip_verify": Key(boolean, False, "do not verify certificates (testing only)"),
 }
 PROMETHEUS_KEYS: Table = {
-    "url": Key(url, REQUIRED, "base URL of the Prometheus HTTP API (Prometheus, Thanos Querier, or Mimir's `/prometheus`)"),
-    "selector": Key(promql_selector, REQUIRED, 'label matchers of the engines\' series and their `up`, e.g. `job="vllm"`'),
+    "url": Key(url, REQUIRED,
+               "base URL of the Prometheus HTTP API (Prometheus, Thanos Querier, or Mimir's `/prometheus`)"),
+    "selector": Key(promql_selector, REQUIRED,
+                    'label matchers of the engines\' series and their `up`, e.g. `job="vllm"`'),
     "tenant": Key(string, None, "tenant sent as `X-Scope-OrgID` (Mimir, Cortex)"),
     "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None,
                 "bearer token for the query API (default: the deployment's `auth`)"),
     "tls": Key(section(TLS_KEYS), None, "TLS for an https query API (default: the deployment's `tls`)"),
-    "max_response_bytes": Key(size, float(DEFAULT_PROMETHEUS_RESPONSE_BYTES), "a query answer larger than this is refused"),
+    "max_response_bytes": Key(size, float(DEFAULT_PROMETHEUS_RESPONSE_BYTES),
+                              "a query answer larger than this is refused"),
 }
 TARGETS_KEYS: Table = {
     "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
@@ -209,8 +217,10 @@ ONLINE_CALIBRATION_KEYS: Table = {
 }
 DEFAULTS_KEYS: Table = {
     "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
-    "headroom": Key(ratio, model.DEFAULT_HEADROOM, "share of each step's budget kept for decode (the rest for prompt chunks)"),
-    "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY, "effective/peak memory bandwidth when not configured or calibrated"),
+    "headroom": Key(ratio, model.DEFAULT_HEADROOM,
+                    "share of each step's budget kept for decode (the rest for prompt chunks)"),
+    "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY,
+                                "effective/peak memory bandwidth when not configured or calibrated"),
     "compute_efficiency": Key(ratio, model.DEFAULT_COMPUTE_EFFICIENCY, "effective/peak dense compute"),
     "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
                               "online calibration for every deployment (docs/operations.md)"),
@@ -425,9 +435,11 @@ class Config:
         modes = sorted({mode for d in self.deployments for mode, on in
                         (("static", d.static_urls), ("dns", d.dns), ("kubernetes", d.kubernetes),
                          ("prometheus", d.prometheus)) if on})
-        alerting = f"alerting to {len(self.alerting.alertmanager_urls)} Alertmanager(s)" if self.alerting.alertmanager_urls else "alerting off"
+        urls = self.alerting.alertmanager_urls
+        alerting = f"alerting to {len(urls)} Alertmanager(s)" if urls else "alerting off"
         return (f"{len(self.deployments)} deployment(s) ({', '.join(d.name for d in self.deployments)}), "
-                f"discovery {'+'.join(modes)}, poll every {self.poll_interval_seconds:g}s, listen {self.listen}, {alerting}")
+                f"discovery {'+'.join(modes)}, poll every {self.poll_interval_seconds:g}s, "
+                f"listen {self.listen}, {alerting}")
 
 
 # What `stepbudget calibrate --json` always writes and the daemon reads, with how each is checked.
@@ -465,7 +477,8 @@ def _calibration_values(path: str, deployment: str, where: Where) -> Calibration
     except (OSError, ValueError) as error:
         raise refuse(f"cannot be read: {error}") from None
     if not isinstance(document, dict):
-        raise refuse(f"is not `stepbudget calibrate --json` output: expected a JSON object, got {type(document).__name__}")
+        raise refuse("is not `stepbudget calibrate --json` output: "
+                     f"expected a JSON object, got {type(document).__name__}")
     missing = [key for key in CALIBRATION_REQUIRED_KEYS if key not in document]
     if missing:
         raise refuse(f"is not `stepbudget calibrate --json` output: it lacks {', '.join(missing)}")

@@ -104,7 +104,8 @@ def parser_schema(parse: Callable[..., Any]) -> dict[str, Any]:
         return {**schema, "minItems": 1} if captured["non_empty"] else schema
     if name == "section":
         return table_schema(captured["table"], captured["check"])
-    raise ValueError(f"no JSON schema for the config parser {parse.__qualname__}: add it to exporter/serve/config_schema.py")
+    raise ValueError(f"no JSON schema for the config parser {parse.__qualname__}: "
+                     "add it to exporter/serve/config_schema.py")
 
 
 def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
@@ -121,10 +122,10 @@ def table_schema(table: config.Table, check: Callable[..., Any] | None = None) -
     """A mapping of `table`'s keys: unknown keys refused, REQUIRED keys required, null meaning the default."""
     properties = {}
     for name, key in table.items():
-        schema = parser_schema(key.parse)
+        key_schema = parser_schema(key.parse)
         if key.default is not config.REQUIRED:
-            schema = _or_null(schema)
-        properties[name] = {"description": key.doc, **schema} if key.doc else schema
+            key_schema = _or_null(key_schema)
+        properties[name] = {"description": key.doc, **key_schema} if key.doc else key_schema
     schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
     required = [name for name, key in table.items() if key.default is config.REQUIRED]
     if required:
@@ -141,8 +142,8 @@ def chart_config_schema() -> dict[str, Any]:
     """`values.config` of the chart: the daemon config less `listen`, which the chart sets from `port`."""
     schema = config_schema()
     schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "listen"}
-    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config.py's key tables "
-                             "by exporter/serve/config_schema.py; `listen` comes from `port`.")
+    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config.py's "
+                             "key tables by exporter/serve/config_schema.py; `listen` comes from `port`.")
     return schema
 
 

@@ -82,7 +82,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", help="HOST:PORT or :PORT to serve /metrics on (default :9421)")
     parser.add_argument("--poll-interval", metavar="DURATION", help="poll every target this often (default 15s)")
     parser.add_argument("--timeout", metavar="DURATION", help="per-target fetch deadline (default 5s)")
-    parser.add_argument("--stale-after", metavar="DURATION", help="drop a failing target's values after this (default 60s)")
+    parser.add_argument("--stale-after", metavar="DURATION",
+                        help="drop a failing target's values after this (default 60s)")
     parser.add_argument("--max-response-bytes", metavar="SIZE", help="refuse pages larger than this (default 4MiB)")
     parser.add_argument("--log-format", choices=LOG_FORMATS, help="json, console, or auto (console on a TTY)")
     parser.add_argument("--target", action="append", metavar="URL", default=[],
@@ -91,13 +92,15 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model preset or config.json for --target")
     parser.add_argument("--gpu", help="GPU preset for --target")
     parser.add_argument("--tensor-parallel", type=int, help="GPUs per replica for --target")
-    parser.add_argument("--kind", choices=("auto", "vllm", "sglang", "tgi"), help="the servers' page format for --target")
+    parser.add_argument("--kind", choices=("auto", "vllm", "sglang", "tgi"),
+                        help="the servers' page format for --target")
     parser.add_argument("--target-tps", type=float, help="per-user speed target for --target (default 50)")
     parser.add_argument("--alertmanager-url", action="append", metavar="URL", default=[],
                         help="Alertmanager to post alerts to (repeatable); overrides alerting.alertmanager_urls")
     parser.add_argument("--alert-for", metavar="DURATION", help="overrides alerting.for (the page's `for`)")
     parser.add_argument("--shard", metavar="INDEX/COUNT",
-                        help="poll only shard INDEX of COUNT (0 <= INDEX < COUNT; rendezvous hash of each target's URL); "
+                        help="poll only shard INDEX of COUNT "
+                             "(0 <= INDEX < COUNT; rendezvous hash of each target's URL); "
                              "overrides the config's shard section")
 
 
@@ -127,7 +130,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                           ("target_tps", "target_tokens_per_second")):
             if getattr(args, flag) is not None:
                 deployment[key] = getattr(args, flag)
-        document["deployments"] = list(document.get("deployments") or []) + [deployment]
+        document["deployments"] = [*(document.get("deployments") or []), deployment]
     if args.alertmanager_url or args.alert_for:
         alerting = dict(document.get("alerting") or {})
         if args.alertmanager_url:
@@ -194,8 +197,9 @@ def _target_rows(poller: Poller) -> list[TargetRow]:
     for state in poller.target_states():
         readings = [r for r in state.readings if r.target_up]
         detail = state.last_error or ", ".join(
-            f"{r.model_name}/{r.engine}: " + (f"{r.tokens_in_flight:,.0f} tokens in flight" if r.tokens_in_flight is not None
-                                              else "tokens in flight unknown")
+            f"{r.model_name}/{r.engine}: "
+            + (f"{r.tokens_in_flight:,.0f} tokens in flight" if r.tokens_in_flight is not None
+               else "tokens in flight unknown")
             for r in readings)
         rows.append(TargetRow(state.target.deployment, state.target.target, state.kind,
                               state.last_error is None and state.last_success_seconds is not None, detail))

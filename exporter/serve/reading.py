@@ -136,7 +136,7 @@ def page_setup(setup: model.ServingSetup, kv_cache_dtype: str | None, block_size
             changes["kv_bytes_per_element"] = page_bytes
     if block_size_tokens is not None and block_size_tokens != setup.block_size_tokens:
         changes["block_size_tokens"] = block_size_tokens
-    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]
+    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]  # changes: only int fields, mypy sees object
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,8 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     """One series for a server whose ITL histogram covers all its engines (SGLang under --dp-size):
     the measured step next to the prediction of the same thing, the engines' predictions weighted by
     the tokens each generates (running / step), never one engine's prediction against it."""
-    ranks = [r for r in readings if r.predicted_step_seconds and r.requests_running]
+    ranks = [(r.requests_running, r.predicted_step_seconds) for r in readings
+             if r.predicted_step_seconds and r.requests_running]
     if not readings:
         return None
     first = readings[0]
@@ -268,8 +269,8 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
         median = window.measured_step_median_seconds
     predicted = None
     if ranks:
-        token_rate = sum(r.requests_running / r.predicted_step_seconds for r in ranks)  # type: ignore[operator]
-        predicted = sum(r.requests_running for r in ranks) / token_rate  # type: ignore[misc]
+        token_rate = sum(running / step for running, step in ranks)
+        predicted = sum(running for running, _ in ranks) / token_rate
     return Reading(
         deployment=first.deployment, target=first.target, model_name=first.model_name, engine="",
         namespace=first.namespace, pod=first.pod, target_up=True,
@@ -295,7 +296,8 @@ def _lacking(reading: Reading, snapshot: Snapshot) -> tuple[str, ...]:
 
 
 def _value_of(reading: Reading, name: str) -> float | None:
-    return getattr(reading, name.removeprefix("target_"))
+    value: float | None = getattr(reading, name.removeprefix("target_"))
+    return value
 
 
 def _token_budget(setup: model.ServingSetup, budget_seconds: float, tokens: float | None,
