@@ -18,7 +18,7 @@ from exporter.errors import InputError
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "plan": ("exporter.capacity.planner", "offline sizing: KV bytes/token, capacity, token budget, per-user speed"),
-    "calibrate": ("exporter.capacity.calibrate", "measure effective bandwidth (and per-step overhead) from one stream"),
+    "calibrate": ("exporter.calibrate_verb", "measure effective bandwidth (and per-step overhead) from one stream"),
     "serve": ("exporter.serve.daemon", "the daemon: poll model servers, predict and measure every step, export, alert"),
     "simulate": ("exporter.simulator.cli", "a simulated vLLM server on loopback, driven by a workload scenario"),
     "demo": ("exporter.demo", "simulated servers + calibration + the daemon + a live terminal view"),

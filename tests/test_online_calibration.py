@@ -370,8 +370,6 @@ def test_a_failing_prometheus_never_stops_start_up() -> None:
 def test_calibrate_from_prometheus_prints_what_calibrate_json_prints(
         prometheus: str, capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(online_seed.time, "time", lambda: 1_000.0 + 15 * 120)  # type: ignore[attr-defined]  # online_seed's own `time` import, not re-exported
-    import exporter.capacity.calibrate as calibrate_module
-    monkeypatch.setattr(calibrate_module.time, "time", lambda: 1_000.0 + 15 * 120)
     assert cli.main(["calibrate", "--prometheus", prometheus, "--deployment", "pool", "--since", "1h", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["agrees"] is True and len(out["points"]) == 120

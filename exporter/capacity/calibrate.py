@@ -371,19 +371,27 @@ def _live_measurements(args: argparse.Namespace) -> list[StreamMeasurement]:
     return measure_contexts(args.url, name, contexts, output_tokens, timeout_seconds, progress=_TerminalProgress())
 
 
-def run(args: argparse.Namespace) -> int:
+# Reads a deployment's history from the daemon's own series (`--prometheus`): that is the daemon's
+# side (exporter/serve/online_seed.py), which `stepbudget calibrate` hands in (exporter/calibrate_verb.py),
+# so this module, like all of exporter.capacity, imports nothing of the daemon.
+HistoryCalibration = Callable[[argparse.Namespace, ResolvedSetup], Calibration]
+
+
+def run(args: argparse.Namespace, *, history_calibration: HistoryCalibration | None = None) -> int:
     if sum(bool(source) for source in (args.itl, args.url, args.prometheus)) != 1:
         raise InputError("give one of --itl SECONDS@TOKENS (offline, repeatable), --url BASE (live) or "
                          "--prometheus URL --deployment NAME (the daemon's own history)")
     resolved = resolve_from_args(args)
     measurements: list[StreamMeasurement] = []
     if args.prometheus:
+        if history_calibration is None:
+            raise InputError("--prometheus reads the daemon's history: run it as `stepbudget calibrate`")
         try:
-            calibration = _prometheus_calibration(args, resolved)
+            calibration = history_calibration(args, resolved)
         except OSError as error:
             print(f"stepbudget calibrate: error: {error}", file=sys.stderr)
             return 1
-        return _report(args, resolved, calibration, measurements)
+        return report(args, resolved, calibration, measurements)
     if args.url:
         try:
             measurements = _live_measurements(args)
@@ -394,10 +402,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         points = offline_points(resolved.setup, args.itl)
     calibration = model.calibrate(points, bounds=fit_bounds(resolved))
-    return _report(args, resolved, calibration, measurements)
+    return report(args, resolved, calibration, measurements)
 
 
-def _report(args: argparse.Namespace, resolved: ResolvedSetup, calibration: Calibration,
+def report(args: argparse.Namespace, resolved: ResolvedSetup, calibration: Calibration,
             measurements: Sequence[StreamMeasurement]) -> int:
     if args.json:
         print(json.dumps(calibration_to_json(resolved, calibration, measurements), indent=2))
@@ -408,21 +416,3 @@ def _report(args: argparse.Namespace, resolved: ResolvedSetup, calibration: Cali
     return 0
 
 
-def _prometheus_calibration(args: argparse.Namespace, resolved: ResolvedSetup) -> Calibration:
-    """The online calibration's fit over the daemon's own series, `--since` back (OSError: unreachable)."""
-    from exporter.serve import online_calibration, online_seed  # the daemon's side: paid for only here
-
-    if not args.deployment:
-        raise InputError("--prometheus needs --deployment NAME (the deployment label of the daemon's series)")
-    since = parse_duration_seconds(args.since, "--since")
-    now = time.time()
-    try:
-        pairs = online_seed.windows_from_prometheus(args.prometheus, args.deployment, now - since, now)
-    except online_seed.PrometheusError as error:
-        raise OSError(str(error)) from None
-    windows = [window for _, window in pairs]
-    limits = fit_bounds(resolved)
-    bounds = online_calibration.Bounds.of(limits.max_bandwidth_bytes_per_second, limits.max_compute_flops_per_second)
-    fit = online_calibration.fit_windows(resolved.setup, windows, bounds, min_windows=1)
-    where = f"of deployment {args.deployment!r} in {args.prometheus} over the last {args.since}"
-    return online_calibration.calibration_from_fit(resolved.setup, windows, fit, where)

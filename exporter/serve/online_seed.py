@@ -7,6 +7,7 @@ and a failure is one warning; the fit then starts from the live windows alone.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import threading
@@ -18,7 +19,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from exporter.capacity.deployment import ResolvedSetup, fit_bounds
+from exporter.capacity.model import Calibration
+from exporter.errors import InputError
+from exporter.serve import online_calibration
 from exporter.serve.online_calibration import FitWindow
+from exporter.units import parse_duration_seconds
 
 if TYPE_CHECKING:
     from exporter.serve.online_calibration import OnlineCalibrator
@@ -144,3 +150,23 @@ def start_seeding(calibrator: OnlineCalibrator) -> list[threading.Thread]:
             thread.start()
             threads.append(thread)
     return threads
+
+
+def calibration_from_history(args: argparse.Namespace, resolved: ResolvedSetup) -> Calibration:
+    """`stepbudget calibrate --prometheus URL --deployment NAME [--since 24h]`: the online fit over
+    the daemon's own series, `--since` back, as a calibration (OSError: Prometheus unreachable)."""
+    if not args.deployment:
+        raise InputError("--prometheus needs --deployment NAME (the deployment label of the daemon's series)")
+    since = parse_duration_seconds(args.since, "--since")
+    now = time.time()
+    try:
+        pairs = windows_from_prometheus(args.prometheus, args.deployment, now - since, now)
+    except PrometheusError as error:
+        raise OSError(str(error)) from None
+    windows = [window for _, window in pairs]
+    limits = fit_bounds(resolved)
+    bounds = online_calibration.Bounds.of(limits.max_bandwidth_bytes_per_second,
+                                          limits.max_compute_flops_per_second)
+    fit = online_calibration.fit_windows(resolved.setup, windows, bounds, min_windows=1)
+    where = f"of deployment {args.deployment!r} in {args.prometheus} over the last {args.since}"
+    return online_calibration.calibration_from_fit(resolved.setup, windows, fit, where)
