@@ -1,17 +1,17 @@
-"""The admission metric families: decisions by outcome, and the tokens the book accounts to each target."""
+"""The admission metric families: decisions by outcome, and the tokens the book accounts to each target.
+
+A handful of samples: the `*MetricFamily` classes' label API reads better here; the per-target
+collector (exporter/serve/collector.py) uses raw `Metric` for speed and says why.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from exporter.admission.book import AdmissionBook
-
-if TYPE_CHECKING:
-    pass
 
 # --- metrics -------------------------------------------------------------------------------------
 

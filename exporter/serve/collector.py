@@ -4,6 +4,13 @@ Fresh families per scrape (no global gauges) so a target, model or engine that d
 disappears from the export, and concurrent scrapes never race on shared state. A Reading value that
 is None is left out: a missing number is never exported as 0 or NaN. The values are the poll loop's
 latest (cached between polls, see DESIGN §2 for why), which the HELP texts say.
+
+Why the raw `Metric` class here and `*MetricFamily` in exporter/admission/metrics.py: every Reading
+puts ~22 samples on one label set, so this collector builds each label dict once per Reading and
+hands it to `Metric.add_sample` for each family; `GaugeMetricFamily.add_metric` would zip label
+names and values into a new dict for every sample (a tenth of a 1,000-target render,
+benchmarks/results/scale.md). Admission exports a handful of samples, where the family classes'
+label-name/label-value API reads better and costs nothing that matters.
 """
 
 from __future__ import annotations
