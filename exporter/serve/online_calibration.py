@@ -21,7 +21,6 @@ import bisect
 import math
 import statistics
 import threading
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -372,6 +371,10 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
     return found
 
 
+def _end_seconds(window: FitWindow) -> float:
+    return window.end_seconds
+
+
 class DeploymentCalibration:
     """One deployment's windows and fit."""
 
@@ -381,7 +384,7 @@ class DeploymentCalibration:
         self.bounds = bounds
         self.seed = deployment.resolved.setup
         self.seed_source = deployment.resolved.bandwidth_source
-        self._windows: deque[FitWindow] = deque()
+        self._windows: list[FitWindow] = []  # in time order
         self._seen: dict[tuple[str, ...], float] = {}
         self._since_refit = 0
         self._last_refit_seconds: float | None = None
@@ -393,26 +396,25 @@ class DeploymentCalibration:
         if self._seen.get(identity) == window.end_seconds:
             return  # the same window published again (no newer scrape)
         self._seen[identity] = window.end_seconds
-        position = len(self._windows)
         if self._windows and window.end_seconds < self._windows[-1].end_seconds:
-            position = bisect.bisect([w.end_seconds for w in self._windows], window.end_seconds)
-        self._windows.insert(position, window)
+            # Targets finish their fetches out of order: a binary search, not a scan of every window.
+            bisect.insort(self._windows, window, key=_end_seconds)
+        else:
+            self._windows.append(window)
         self._since_refit += 1
         if len(self._windows) > MAX_WINDOWS_PER_DEPLOYMENT:
             self._thin()
 
     def _thin(self) -> None:
         """Drop every second window of the older half (the windows are kept in time order)."""
-        ordered = list(self._windows)
-        half = len(ordered) // 2
-        self._windows = deque(ordered[:half:2] + ordered[half:])
+        half = len(self._windows) // 2
+        self._windows = self._windows[:half:2] + self._windows[half:]
 
     def windows_for_fit(self, now_seconds: float) -> list[FitWindow]:
         oldest = now_seconds - self.settings.history_seconds
-        while self._windows and self._windows[0].end_seconds < oldest:
-            self._windows.popleft()
+        del self._windows[:bisect.bisect_left(self._windows, oldest, key=_end_seconds)]
         newest = now_seconds - self.settings.holdout_seconds
-        return [window for window in self._windows if window.end_seconds <= newest]
+        return self._windows[:bisect.bisect_right(self._windows, newest, key=_end_seconds)]
 
     def due(self, now_seconds: float) -> bool:
         """Refit after a third of min_windows new windows (at least one), and not more often than
