@@ -72,12 +72,16 @@ def test_a_page_without_capacity_is_marked_estimated_and_logged_once(
     marks = {(labels["quantity"], labels["reason"])
              for labels, _ in scrape(config, poller)["stepbudget_estimated_info"]}
     assert marks == {("kv_cache_capacity_tokens", "model_capacity"), ("tokens_in_flight", "model_capacity")}
-    assert len([line for line in logs if line["event"] == "reading_partial"]) <= 1
-    # The page lacks the same thing at every poll: one reading_partial line at most, not one a poll.
+    # The page lacks the same thing at every poll: one line saying so, not one a poll.
+    [said] = [line for line in logs if line["event"] == "reading_partial"]
+    assert said["estimated"] == ["kv_cache_capacity_tokens: model_capacity", "tokens_in_flight: model_capacity"]
     page_server.serve_text(page)
-    poller.poll_once()
+    with capture_logs() as logs:
+        poller.poll_once()
     (reading,) = poller.readings()
     assert reading.estimated == () and reading.kv_cache_capacity_tokens == 4096 * 16
+    [cleared] = [line for line in logs if line["event"] == "reading_partial"]  # the change is said too
+    assert cleared["estimated"] == []
 
 
 def test_a_lasting_page_problem_is_logged_once_per_change(page_server: PageServer, clock: ManualClock,

@@ -658,13 +658,16 @@ class Poller:
                             using="the page's settings")
 
     def _log_partial(self, state: TargetState, readings: Iterable[Reading]) -> None:
-        """Log the values a page does not allow, once per change, so a partial reading is never
-        silent; the routine gaps of a window (first poll, idle) are not logged."""
+        """Log the values a page does not allow, and the values exported as estimates, once per change,
+        so a partial or estimated reading is never silent; the routine gaps of a window (first poll,
+        idle) are not logged."""
         for reading in readings:
             previous = next((r for r in state.readings if r.identity == reading.identity and r.target_up), None)
-            if reading.lacking != (previous.lacking if previous is not None else ()):
+            before = (previous.lacking, previous.estimated) if previous is not None else ((), ())
+            if (reading.lacking, reading.estimated) != before:
                 log.info("reading_partial", deployment=reading.deployment, target=reading.target,
                          model_name=reading.model_name, engine=reading.engine, left_out=list(reading.lacking),
+                         estimated=[f"{quantity}: {reason}" for quantity, reason in reading.estimated],
                          notes=list(reading.notes))
 
     # --- scheduling -----------------------------------------------------------------------------
