@@ -26,9 +26,10 @@ demo: $(STAMP)
 # External tools the tests drive for real: promtool, prometheus and alertmanager (Debian),
 # and the official helm binary (see scripts/install-helm.sh).
 promtool:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v prometheus-alertmanager >/dev/null \
+	  && command -v openssl >/dev/null || { \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	    prometheus prometheus-alertmanager; }
+	    prometheus prometheus-alertmanager openssl; }
 
 helm: $(TOOLS)/helm
 

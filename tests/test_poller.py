@@ -24,6 +24,7 @@ from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller
 from tests.support.servers import PageServer, free_port, send_text
+from tests.support.tools import require_tool
 
 TRUNCATED_MARK = "vllm:inter_token_latency_seconds_bucket"
 
@@ -137,14 +138,12 @@ def test_redirects_are_followed_and_the_token_stays_on_its_host(page_server: Pag
 def test_tls_verifies_with_the_ca_file_and_skips_only_when_told(tmp_path, page_server: PageServer) -> None:
     """A real TLS server with a self-signed certificate: refused by default, read with the
     certificate as `ca_file`, read without verification when `insecure_skip_verify` is set."""
-    import shutil
     import ssl
     import subprocess
 
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command")
+    openssl = require_tool("openssl")  # installed by `make tools`; a failure, not a skip, under CI
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
