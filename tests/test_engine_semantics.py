@@ -164,3 +164,29 @@ def test_a_step_histogram_that_counts_cache_hits_is_not_used_as_the_mix() -> Non
     assert window.prefill_tokens_per_step == pytest.approx(20)
     assert window.prefill_mix is None
     assert any("disagrees with the computed prompt tokens" in note for note in window.notes)
+
+
+def test_fp8_on_a_genuine_page_wins_over_the_config(page_server: PageServer, clock: ManualClock,
+                                                    make_poller: MakePoller) -> None:
+    """vLLM 0.33.0's own page (tests/data/genuine), its CacheConfig run with cache_dtype="fp8": the
+    label is CacheConfig.metrics_info()'s string of that field, the only byte that differs from the
+    page as rendered with "auto" (vllm/config/cache.py: every field becomes a label)."""
+    import json
+    from pathlib import Path
+
+    genuine = Path(__file__).parent / "data" / "genuine"
+    page = (genuine / "vllm-0.33.0_GENUINE_dp1_t1.prom").read_text()
+    label = ',cache_dtype="auto"'  # not mamba_cache_dtype / mamba_ssm_cache_dtype
+    assert page.count(label) == 1
+    fed = json.loads((genuine / "vllm-0.33.0_GENUINE_dp1.expected.json").read_text())["phases"][1]["engines"]["0"]
+    config = _config(page_server.url)
+    poller = make_poller(config, clock)
+    page_server.serve_text(page.replace(label, ',cache_dtype="fp8"'))
+    poller.poll_once()
+    (reading,) = poller.readings()
+    arch = get_model_preset("qwen3-8b")
+    tokens = fed["kv_cache_usage_ratio"] * fed["kv_cache_capacity_tokens"]
+    fp8_kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 1
+    assert reading.kv_cache_dtype == "fp8"
+    assert reading.tokens_in_flight == pytest.approx(tokens)
+    assert reading.step_read_bytes == pytest.approx(arch.params * 2 + fp8_kv_per_token * tokens)
