@@ -406,6 +406,53 @@ def test_the_budget_fits_its_step_budget(name: str, target: float, context: floa
     assert model.predict_step(setup, more).step_seconds > step_budget
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    per_request=st.floats(min_value=0, max_value=300e-6),
+    overhead=st.floats(min_value=0, max_value=0.01),
+    compute_efficiency=st.floats(min_value=0.005, max_value=0.6),
+    target=st.floats(min_value=5, max_value=200),
+    context=st.floats(min_value=1, max_value=200_000),
+    looks_up_embeddings=st.booleans(),
+)
+def test_the_closed_form_budget_with_a_per_request_cost_is_the_most_that_fits(
+    per_request: float, overhead: float, compute_efficiency: float, target: float, context: float,
+    looks_up_embeddings: bool,
+) -> None:
+    # A dense model with a fitted per-request cost, overhead and (at low efficiencies) compute-bound
+    # GEMMs: the budget is solved in closed form; it must fit, and one more token must not.
+    setup = replace(qwen3_setup(), per_request_seconds=per_request, step_overhead_seconds=overhead,
+                    effective_compute_flops_per_second=compute_efficiency * H100_BF16_DENSE_FLOPS)
+    if looks_up_embeddings:  # each request looks one row of the input table up instead of reading it all
+        setup = replace(setup, architecture=replace(setup.architecture, input_embedding_params=151_936 * 4096))
+    step_budget = model.step_budget_seconds(target, 0.9)
+    budget = model.token_budget_tokens(setup, step_budget, context_tokens_per_request=context)
+    if budget > 0:
+        assert model.step_seconds_at(setup, budget, context) <= step_budget * (1 + 1e-12)
+    else:  # nothing fits: not even one request holding no context yet
+        assert model.step_seconds_at(setup, 0.0, context) >= step_budget
+    assert model.step_seconds_at(setup, budget + 1, context) > step_budget
+    # ...and it agrees with the search it replaced on the poll path.
+    assert budget == pytest.approx(model._solve_budget_numerically(setup, step_budget, context), abs=0.5)
+
+
+def test_a_per_request_budget_by_hand_from_its_step_lines() -> None:
+    # 100 us per request, memory-bound GEMMs, requests of 2,000 tokens at a 30 ms step budget.
+    # (The preset reads its whole weights every step: no embedding table is looked up.)
+    setup = replace(qwen3_setup(), per_request_seconds=100e-6)
+    weights_seconds = QWEN3_WEIGHT_BYTES / EFFECTIVE_BANDWIDTH
+    kv_per_request_seconds = 2000 * QWEN3_KV_BYTES_PER_TOKEN / EFFECTIVE_BANDWIDTH
+    # n requests fit while the step at (n-1) full requests and an empty n-th is under 30 ms:
+    # weights + n*100 us + (n-1)*kv_per_request < 0.030.
+    root = (0.030 - weights_seconds + kv_per_request_seconds) / (100e-6 + kv_per_request_seconds)
+    requests = math.ceil(root) - 1
+    at_start = weights_seconds + requests * 100e-6 + (requests - 1) * kv_per_request_seconds
+    expected = min(requests * 2000.0, (requests - 1) * 2000 + (0.030 - at_start) * EFFECTIVE_BANDWIDTH
+                   / QWEN3_KV_BYTES_PER_TOKEN)
+    assert model.token_budget_tokens(setup, 0.030, context_tokens_per_request=2000) == pytest.approx(
+        expected, rel=1e-9)
+
+
 def test_architecture_rejects_ssm_attention_kinds() -> None:
     with pytest.raises(InputError, match="not supported"):
         Architecture("x", layers=4, hidden_size=64, attention_heads=4, kv_heads=4, head_dim=16, params=1e6,

@@ -511,6 +511,10 @@ def token_budget_tokens(
         return max(0.0, spare / per_token)
     if not context_tokens_per_request > 0:
         raise InputError(f"context per request must be greater than zero, got {context_tokens_per_request!r}")
+    if arch.is_linear:
+        solved = _solve_linear_budget(setup, step_budget, context_tokens_per_request)
+        if solved is not None:
+            return solved
     return _solve_budget_numerically(setup, step_budget, context_tokens_per_request)
 
 
@@ -531,6 +535,45 @@ def _groups_of_context(tokens_in_flight: float, context: float) -> list[RequestG
     rest = tokens_in_flight - whole * context
     groups = [RequestGroup(whole, context)] if whole else []
     return groups + ([RequestGroup(1, rest)] if rest > 0 else [])
+
+
+def _solve_linear_budget(setup: ServingSetup, step_budget: float, context: float) -> float | None:
+    """The budget in closed form where every phase is affine in the running requests (dense, full
+    attention); None where that does not hold and bisection must do (n past the embedding table).
+
+    With requests of `context` tokens, n requests hold T in ((n-1)·context, n·context] tokens and the
+    step is overhead + per_request·n + max(weights(n)/bandwidth, gemm(n)/compute) + s·T, with s the
+    attention phase per token (its memory and compute both grow with T alone). So n requests fit
+    iff the step at T = (n-1)·context is under the budget, a max of two affine functions of n;
+    the largest such n comes from each line's root, and T from the budget left over in its interval.
+    This runs on every reading with a fitted per-request cost: no search, a few predict_step calls.
+    """
+    def lines_at(requests: int) -> tuple[float, float, float]:
+        """(memory-bound GEMM line, compute-bound GEMM line, step) at `requests` requests, the last empty."""
+        step = predict_step(setup, [RequestGroup(requests - 1, context), RequestGroup(1, 0.0)])
+        rest = step.step_seconds - step.gemm_seconds
+        return rest + step.weight_memory_seconds, rest + step.gemm_compute_seconds, step.step_seconds
+
+    memory_one, compute_one, first_step = lines_at(1)
+    if not first_step < step_budget:
+        return 0.0  # even the weights alone, with no context, miss
+    memory_two, compute_two, _ = lines_at(2)
+    largest = math.inf
+    for at_one, at_two in ((memory_one, memory_two), (compute_one, compute_two)):
+        slope = at_two - at_one
+        if slope > 0:  # the line's root: n with at_one + slope·(n-1) = budget
+            largest = min(largest, 1 + (step_budget - at_one) / slope)
+    if largest * context > _BUDGET_SEARCH_CEILING_TOKENS:
+        return _BUDGET_SEARCH_CEILING_TOKENS
+    requests = max(1, math.ceil(largest) - 1)  # the most requests whose first token is strictly under
+    arch = setup.architecture
+    if arch.input_embedding_params and requests > arch.input_embedding_params / arch.hidden_size:
+        return None  # past the table every row is read: the weight line bends, so search instead
+    _, _, step = lines_at(requests)
+    per_token = predict_step(setup, [RequestGroup(1, context)]).attention_seconds / context
+    if not per_token > 0:
+        return None
+    return min(requests * context, (requests - 1) * context + (step_budget - step) / per_token)
 
 
 def _solve_budget_numerically(setup: ServingSetup, step_budget: float, context: float) -> float:
