@@ -231,7 +231,7 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
         model.calibration_point(probe, r.calibration_step_seconds, r.batch * mean_context(r), r.batch)
         for r in calibration_rows], bounds=model.FitBounds(max_bandwidth_bytes_per_second=peak[0],
                                                            max_compute_flops_per_second=peak[1]))
-    refused = "" if calibration.fit_agrees else (
+    refused = "" if calibration.agrees else (  # two batch sizes: agreement is the fit's largest miss
         f"calibration refused: the fit misses its own points by up to "
         f"{max(abs(r) for r in calibration.residual_ratios):.0%} (tolerance {calibration.tolerance:.0%})")
     setup = replace(_setup(arch, peak, usable[0].gpus, calibration.effective_bandwidth_bytes_per_second),

@@ -228,8 +228,11 @@ def test_an_unreachable_or_stalled_server_fails_with_one_line(stub: Stub, capsys
 
 def test_itl_points_at_two_batch_sizes_fit_a_per_request_cost(capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3-8B, 2,000 tokens per request: 1 request at 9 ms, 16 at 12 ms (about 43 us per request)."""
-    assert main(["calibrate", "--itl", "9ms@2000", "--itl", "12ms@32000x16", "--json"]) in (0, 2)
+    assert main(["calibrate", "--itl", "9ms@2000", "--itl", "12ms@32000x16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    # The points' own bandwidths differ by the per-request cost; the fit reproduces both, so they agree.
+    assert out["agrees"] is True and out["agreement_basis"] == "fit_residuals"
+    assert out["spread_ratio"] == pytest.approx(0, abs=1e-9)
     kv, weights = 2 * 36 * 8 * 128 * 2, 8.19e9 * 2
     # 9 ms = (W + 2000 kv)/bw + r;  12 ms = (W + 32000 kv)/bw + 16 r
     a1, a2 = weights + 2000 * kv, weights + 32000 * kv
@@ -243,7 +246,11 @@ def test_itl_points_at_two_batch_sizes_fit_a_per_request_cost(capsys: pytest.Cap
 def test_a_per_request_cost_past_its_bound_is_not_fitted(capsys: pytest.CaptureFixture[str]) -> None:
     """16 requests at 24 ms against 1 at 9 ms would need 860 us per request, past the 300 us bound: the two
     points cannot separate that from the bandwidth reliably, so it is left out, with a note."""
-    main(["calibrate", "--itl", "9ms@2000", "--itl", "24ms@32000x16", "--json"])
-    out = json.loads(capsys.readouterr().out)
+    assert main(["calibrate", "--itl", "9ms@2000", "--itl", "24ms@32000x16", "--json"]) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["per_request_seconds"] is None
     assert any("bound" in note for note in out["notes"])
+    # Without it the bandwidth alone misses the points by far more than 15%: refused, saying so.
+    assert out["agrees"] is False and out["spread_ratio"] == max(abs(p["residual_ratio"]) for p in out["points"])
+    assert "the fitted terms miss the points by at most" in captured.err and "more than 15%" in captured.err

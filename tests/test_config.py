@@ -223,6 +223,33 @@ def test_a_calibration_calibrate_rejected_is_refused_naming_deployment_file_and_
     assert "spread 100.0%, more than the 15% tolerance" in message and "re-run `stepbudget calibrate`" in message
 
 
+def test_two_batch_sizes_calibrate_accepted_reach_the_daemon_with_their_per_request_cost(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 1 request of 1,000 tokens at 7.2 ms and 16 of 1,000 at 9.5 ms: their own bandwidths spread 16%
+    # (more than 15%) yet a per-request cost reproduces both, so calibrate accepts them and so does serve.
+    path = calibrate_json(capsys, tmp_path, "0.0072@1000x1", "0.0095@16000x16")
+    document = json.loads(path.read_text())
+    assert document["agrees"] is True and document["agreement_basis"] == "fit_residuals"
+    a1, a2 = QWEN3_WEIGHTS + 1000 * QWEN3_KV, QWEN3_WEIGHTS + 16000 * QWEN3_KV
+    inverse_bandwidth = (0.0095 - 16 * 0.0072) / (a2 - 16 * a1)  # 7.2 ms = a1/bw + r; 9.5 ms = a2/bw + 16 r
+    setup = load_config(str(write(tmp_path, MINIMAL + f"        calibration: {path}\n"))).deployments[0].resolved.setup
+    assert setup.effective_bandwidth_bytes_per_second == pytest.approx(1 / inverse_bandwidth, rel=1e-6)
+    assert setup.per_request_seconds == pytest.approx(0.0072 - a1 * inverse_bandwidth, rel=1e-6)
+
+
+def test_two_batch_sizes_calibrate_rejected_are_refused_naming_the_fits_miss(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 16 requests at 24 ms against 1 at 9 ms need 860 us per request, past the 300 us bound: the cost is
+    # dropped and the bandwidth alone (least squares through the origin) misses the batch-1 point.
+    path = calibrate_json(capsys, tmp_path, "9ms@2000", "24ms@32000x16")
+    a1, a2 = QWEN3_WEIGHTS + 2000 * QWEN3_KV, QWEN3_WEIGHTS + 32000 * QWEN3_KV
+    inverse_bandwidth = (a1 * 0.009 + a2 * 0.024) / (a1 ** 2 + a2 ** 2)
+    worst_miss = max(abs(a * inverse_bandwidth - t) / t for a, t in ((a1, 0.009), (a2, 0.024)))
+    assert json.loads(path.read_text())["spread_ratio"] == pytest.approx(worst_miss, rel=1e-6)
+    message = error_of(tmp_path, MINIMAL + f"        calibration: {path}\n")
+    assert f"its fitted terms miss a point by {worst_miss:.1%}, more than the 15% tolerance" in message
+
+
 def test_a_calibration_with_a_per_request_cost_and_compute_sets_them(tmp_path: Path) -> None:
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({**CALIBRATION_DOCUMENT, "per_request_seconds": 40e-6,

@@ -373,6 +373,10 @@ def test_calibrate_from_prometheus_prints_what_calibrate_json_prints(
     assert cli.main(["calibrate", "--prometheus", prometheus, "--deployment", "pool", "--since", "1h", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["agrees"] is True and len(out["points"]) == 120
+    # Its agreement is on the fit, over windows: the 90th percentile of their |relative residuals|.
+    assert out["agreement_basis"] == "window_residuals_p90"
+    misses = sorted(abs(p["residual_ratio"]) for p in out["points"])
+    assert out["spread_ratio"] == pytest.approx(statistics.quantiles(misses, n=10, method="inclusive")[-1])
     assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(TRUTH.bandwidth_bytes_per_second, rel=0.05)
     assert out["per_request_seconds"] is not None
     path = tmp_path / "calibration.json"

@@ -250,6 +250,7 @@ def calibration_to_json(resolved: ResolvedSetup, calibration: Calibration,
         "points": points,
         "agrees": calibration.agrees,
         "spread_ratio": calibration.spread_ratio,
+        "agreement_basis": calibration.agreement_basis,
         "tolerance_ratio": calibration.tolerance,
         "notes": list(calibration.notes),
     }
@@ -261,8 +262,16 @@ def verdict_line(calibration: Calibration) -> str:
         return (f"agreement: one point only (spread {calibration.spread_ratio:.1%}, within the "
                 f"{calibration.tolerance:.0%} tolerance by default); measure a second context to check the model fits")
     state = "within" if calibration.agrees else "OUTSIDE"
-    return (f"agreement: the points' bandwidths spread {calibration.spread_ratio:.1%}, {state} "
-            f"the {calibration.tolerance:.0%} tolerance")
+    return f"agreement: {_agreement_text(calibration)}, {state} the {calibration.tolerance:.0%} tolerance"
+
+
+def _agreement_text(calibration: Calibration) -> str:
+    if calibration.agreement_basis == model.AGREEMENT_ON_WINDOW_RESIDUALS:
+        return f"the fit misses 90% of its windows by at most {calibration.spread_ratio:.1%}"
+    if calibration.agreement_basis == model.AGREEMENT_ON_FIT_RESIDUALS:
+        return (f"the fitted terms miss the points by at most {calibration.spread_ratio:.1%} "
+                "(points at several batch sizes)")
+    return f"the points' bandwidths spread {calibration.spread_ratio:.1%}"
 
 
 def format_calibration(resolved: ResolvedSetup, calibration: Calibration) -> str:
@@ -299,14 +308,17 @@ def format_calibration(resolved: ResolvedSetup, calibration: Calibration) -> str
         if calibration.overhead_fitted:
             flags += f" --step-overhead {calibration.step_overhead_seconds:.4g}"
         lines.append(f"use: stepbudget plan {flags} (or effective_bandwidth in the daemon config)")
+        if calibration.per_request_fitted or calibration.effective_compute_flops_per_second is not None:
+            lines.append("     the fitted per-request cost and compute reach the daemon through this command's "
+                         "--json output, given as a deployment's calibration file")
     return "\n".join(lines)
 
 
 def disagreement_message(calibration: Calibration) -> str:
     return (
-        f"the bandwidth model does not fit this server: the points' bandwidths spread "
-        f"{calibration.spread_ratio:.1%} (more than {calibration.tolerance:.0%}); likely causes: prefix caching, "
-        "a KV-cache or weight dtype other than the flags say, MoE routing, or large per-step overheads"
+        f"the bandwidth model does not fit this server: {_agreement_text(calibration)}, more than "
+        f"{calibration.tolerance:.0%}; likely causes: prefix caching, a KV-cache or weight dtype other than the "
+        "flags say, MoE routing, large per-step overheads, or (at several batch sizes) a point out of line"
     )
 
 

@@ -501,9 +501,12 @@ def _calibration_values(path: str, deployment: str, where: Where) -> Calibration
         raise refuse(f"says agrees: {str(agrees).lower()} but its spread_ratio {spread:g} and tolerance_ratio "
                      f"{tolerance:g} say otherwise (edited by hand?); re-run `stepbudget calibrate --json`")
     if not agrees:
-        raise refuse(f"was rejected by `stepbudget calibrate` (agrees: false): its points' bandwidths spread "
-                     f"{spread:.1%}, more than the {tolerance:.0%} tolerance, so no one bandwidth describes that "
-                     "server; re-run `stepbudget calibrate` (its notes name likely causes) and use a file it accepts")
+        measure = {"fit_residuals": "its fitted terms miss a point by",
+                   "window_residuals_p90": "its fit misses 10% of its windows by more than"}.get(
+            str(document.get("agreement_basis")), "its points' bandwidths spread")
+        raise refuse(f"was rejected by `stepbudget calibrate` (agrees: false): {measure} {spread:.1%}, more than "
+                     f"the {tolerance:.0%} tolerance, so the model does not describe that server; re-run "
+                     "`stepbudget calibrate` (its notes name likely causes) and use a file it accepts")
     return CalibrationValues(numbers["effective_bandwidth_bytes_per_second"], numbers["step_overhead_seconds"],
                              optional["per_request_seconds"] or 0.0, optional["effective_compute_flops_per_second"])
 

@@ -538,4 +538,5 @@ def calibration_from_fit(seed: model.ServingSetup, windows: Sequence[FitWindow],
                "windows' |relative residuals|, not the spread of lone streams' bandwidths",),
         per_request_seconds=parameters.per_request_seconds, per_request_fitted=True,
         effective_compute_flops_per_second=parameters.compute_flops_per_second,
+        agreement_basis=model.AGREEMENT_ON_WINDOW_RESIDUALS,
     )
