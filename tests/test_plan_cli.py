@@ -242,3 +242,30 @@ def test_a_bare_name_that_is_a_file_here_must_be_written_as_a_path(
     (tmp_path / "weights").mkdir()
     assert "write it as a path: ./weights/config.json" in bad_input(capsys, "plan", "--model", "weights")
     assert "unknown model preset 'nothing-here'" in bad_input(capsys, "plan", "--model", "nothing-here")
+
+
+# --- issue 13: a calibration's per-request cost reaches plan ---------------------------------
+
+
+def test_a_per_request_cost_from_calibrate_reaches_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """What `calibrate` prints after `use: stepbudget plan`: the cost is paid once per running request."""
+    per_request = 90e-6
+    out = plan_json(capsys, "--per-request-cost", "0.09ms", "--load", "40x2000")
+    assert out["per_request_seconds"] == pytest.approx(per_request)
+    step = (QWEN3_WEIGHTS + 40 * 2000 * QWEN3_KV) / H100_EFFECTIVE + 40 * per_request
+    assert out["predicted_step_seconds"] == pytest.approx(step)
+    # The budget now depends on how tokens split into requests: it assumes the --load's 2,000 tokens each.
+    # n requests fit while weights + n*cost + (n-1)*2000 tokens of KV stay under 18 ms; the last is partial.
+    per_request_kv = 2000 * QWEN3_KV / H100_EFFECTIVE
+    weights = QWEN3_WEIGHTS / H100_EFFECTIVE
+    requests = math.ceil((0.018 - weights + per_request_kv) / (per_request + per_request_kv)) - 1
+    at_start = weights + requests * per_request + (requests - 1) * per_request_kv
+    budget = min(requests * 2000.0, (requests - 1) * 2000 + (0.018 - at_start) * H100_EFFECTIVE / QWEN3_KV)
+    assert out["token_budget_tokens"] == pytest.approx(budget)
+    assert out["budget_context_tokens"] == 2000
+    main(["plan", "--per-request-cost", "0.09ms", "--load", "40x2000"])
+    assert f"per-request {40 * per_request * 1e3:,.2f} ms" in capsys.readouterr().out
+
+
+def test_a_negative_per_request_cost_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--per-request-cost: cannot read '-1'" in bad_input(capsys, "plan", "--per-request-cost=-1")

@@ -307,10 +307,10 @@ def format_calibration(resolved: ResolvedSetup, calibration: Calibration) -> str
         flags = f"--bandwidth {bandwidth:.4g}"
         if calibration.overhead_fitted:
             flags += f" --step-overhead {calibration.step_overhead_seconds:.4g}"
-        lines.append(f"use: stepbudget plan {flags} (or effective_bandwidth in the daemon config)")
-        if calibration.per_request_fitted or calibration.effective_compute_flops_per_second is not None:
-            lines.append("     the fitted per-request cost and compute reach the daemon through this command's "
-                         "--json output, given as a deployment's calibration file")
+        if calibration.per_request_fitted:
+            flags += f" --per-request-cost {calibration.per_request_seconds:.4g}"
+        lines.append(f"use: stepbudget plan {flags} (or, for the daemon, this command's --json output as a "
+                     "deployment's calibration file)")
     return "\n".join(lines)
 
 

@@ -110,6 +110,9 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     rates.add_argument("--compute-efficiency", default=str(model.DEFAULT_COMPUTE_EFFICIENCY),
                        help="share of the datasheet dense FLOP/s reached (default 0.5)")
     rates.add_argument("--step-overhead", help="fixed per-step cost, seconds or 2ms; 0 allowed (default 0)")
+    rates.add_argument("--per-request-cost",
+                       help="cost per running request per step (sampling, bookkeeping), seconds or 0.08ms; "
+                            "`calibrate` fits it from points at two batch sizes (default 0)")
 
 
 def _parse_tp(text: str) -> int:
@@ -146,6 +149,8 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
         compute_efficiency=_parse_fraction(args.compute_efficiency, "--compute-efficiency"),
         step_overhead_seconds=(parse_overhead_seconds(args.step_overhead, "--step-overhead")
                                if args.step_overhead else 0.0),
+        per_request_seconds=(parse_overhead_seconds(args.per_request_cost, "--per-request-cost")
+                             if args.per_request_cost else 0.0),
     )
 
 
@@ -231,8 +236,9 @@ def predict_loads(setup: ServingSetup, loads: Sequence[RequestGroup],
 
 
 def budget_context(setup: ServingSetup, loads: Sequence[RequestGroup], contexts: Sequence[float]) -> BudgetContext:
-    """Plain models need no context (bytes are linear in tokens); sliding windows and MoE do."""
-    if setup.architecture.is_linear:
+    """Plain models need no context (bytes are linear in tokens); sliding windows, MoE and a per-request
+    cost do (the step then depends on how the tokens split into requests)."""
+    if model.budget_has_closed_form(setup):
         return BudgetContext(None, "closed form: bytes read grow linearly with tokens in flight")
     count = sum(group.count for group in loads)
     if count:
@@ -294,6 +300,7 @@ def plan_to_json(plan: Plan) -> dict[str, object]:
         "bandwidth_source": plan.resolved.bandwidth_source,
         "effective_compute_flops_per_second": setup.effective_compute_flops_per_second,
         "step_overhead_seconds": setup.step_overhead_seconds,
+        "per_request_seconds": setup.per_request_seconds,
         "target_tokens_per_second": plan.target_tokens_per_second,
         "headroom": plan.headroom,
         "step_budget_seconds": plan.step_budget_seconds,
@@ -364,7 +371,9 @@ def format_plan(plan: Plan) -> str:
              if plan.kv_capacity_tokens else f"{step.tokens_in_flight:,.0f}"),
             ("predicted step", f"{step.step_seconds * 1e3:,.2f} ms (memory {step.memory_seconds * 1e3:,.2f} ms, "
                                f"compute {step.compute_seconds * 1e3:,.2f} ms, "
-                               f"overhead {step.overhead_seconds * 1e3:,.2f} ms)"),
+                               f"overhead {step.overhead_seconds * 1e3:,.2f} ms"
+                               + (f", per-request {step.per_request_seconds * 1e3:,.2f} ms"
+                                  if step.per_request_seconds else "") + ")"),
             ("per-user speed", f"{step.user_tokens_per_second:,.1f} tok/s "
                                f"({verdict} the {plan.target_tokens_per_second:g} tok/s target)"),
         ]

@@ -117,7 +117,8 @@ def plan_pools(setup: ServingSetup, loads: Sequence[RequestGroup], split_tokens:
         raise InputError(f"--split must be greater than zero, got {split_tokens!r}")
     budget = model.step_budget_seconds(target_tokens_per_second, headroom)
     short, long = split_loads(loads, split_tokens)
-    context = None if setup.architecture.is_linear else sum(g.tokens for g in loads) / sum(g.count for g in loads)
+    mean_context = sum(g.tokens for g in loads) / sum(g.count for g in loads)
+    context = None if model.budget_has_closed_form(setup) else mean_context
     return PoolsPlan(
         split_tokens=split_tokens, target_tokens_per_second=target_tokens_per_second, step_budget_seconds=budget,
         token_budget_tokens=model.token_budget_tokens(setup, budget, context),
