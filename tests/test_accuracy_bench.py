@@ -58,3 +58,16 @@ def test_every_usable_row_but_the_two_calibration_rows_of_each_series_is_scored_
     assert refused, "the bench's data holds a series whose calibration is refused (Databricks 2xA100)"
     worst = max(abs(p.per_token_error_ratio) for p in predictions if not p.calibration_row)
     assert overall.worst_abs_error_ratio == worst
+
+
+def test_the_prefill_check_is_one_compute_bound_step_split_over_the_gpus() -> None:
+    mpt = next(r for r in _table(accuracy.ARCHITECTURES_TABLE) if r["model"] == "MPT-7B")
+    a100 = next(r for r in _table(accuracy.GPU_TABLE) if r["gpu"] == "A100 SXM4 40GB")
+    compute = 0.5 * float(a100["peak_dense_bf16_fp16_tensor_TFLOPS"]) * 1e12
+    measured = {int(r["num_gpus_tp"]): float(r["time_to_first_token_ms"]) / 1e3
+                for r in _table(accuracy.TTFT_TABLE) if r["model"] == "MPT-7B" and r["time_to_first_token_ms"]}
+    checks = accuracy.prefill_checks(DATA, accuracy.architectures(DATA), accuracy.gpu_peaks(DATA))
+    assert {c.gpus: c.measured_seconds for c in checks} == measured
+    for check in checks:  # 2 FLOPs per weight per prompt token, each GPU multiplying its share
+        flops = 2 * float(mpt["approx_params_computed"]) * 512 / check.gpus
+        assert math.isclose(check.predicted_seconds, flops / compute, rel_tol=1e-9)
