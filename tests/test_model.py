@@ -436,6 +436,32 @@ def test_the_closed_form_budget_with_a_per_request_cost_is_the_most_that_fits(
     assert budget == pytest.approx(model._solve_budget_numerically(setup, step_budget, context), abs=0.5)
 
 
+NON_LINEAR_PRESETS = [name for name in PRESET_NAMES if not get_model_preset(name).is_linear]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(NON_LINEAR_PRESETS),
+    per_request=st.floats(min_value=0, max_value=300e-6),
+    compute_share=st.sampled_from([1.0, 0.05, 0.01]),
+    target=st.floats(min_value=3, max_value=100),
+    context=st.sampled_from([1.0, 17.5, 300.0, 3000.0, 30_000.0, 200_000.0]),
+)
+def test_the_searched_budget_for_moe_and_windows_is_the_most_that_fits(
+    name: str, per_request: float, compute_share: float, target: float, context: float
+) -> None:
+    # Steps that jump at each request (per-request cost, experts touched) and bend (windows, the
+    # compute roof): the search must still end on the largest fitting count, to half a token.
+    setup = build_setup(get_model_preset(name), "h200", tensor_parallel=8 if name == "deepseek-v3" else 1).setup
+    setup = replace(setup, per_request_seconds=per_request,
+                    effective_compute_flops_per_second=setup.effective_compute_flops_per_second * compute_share)
+    step_budget = model.step_budget_seconds(target, 0.9)
+    budget = model.token_budget_tokens(setup, step_budget, context_tokens_per_request=context)
+    if budget > 0:
+        assert model.step_seconds_at(setup, budget, context) <= step_budget
+    assert model.step_seconds_at(setup, budget + 0.5, context) > step_budget
+
+
 def test_a_per_request_budget_by_hand_from_its_step_lines() -> None:
     # 100 us per request, memory-bound GEMMs, requests of 2,000 tokens at a 30 ms step budget.
     # (The preset reads its whole weights every step: no embedding table is looked up.)
