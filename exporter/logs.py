@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 
 import structlog
+from urllib3.exceptions import InsecureRequestWarning
 
 _SHARED_PROCESSORS: list[structlog.types.Processor] = [
     structlog.contextvars.merge_contextvars,
@@ -50,6 +52,15 @@ class EveryMinuteAtMost(logging.Filter):
             record.args = None
         self._last, self._held = now, 0
         return True
+
+
+def say_tls_verification_is_off(logger: Any, target: str) -> None:
+    """One structured line per server whose certificate is not checked (`insecure_skip_verify`),
+    in place of urllib3's InsecureRequestWarning: a bare Python warning on stderr, in the middle of
+    JSON logs, naming no target."""
+    warnings.filterwarnings("ignore", category=InsecureRequestWarning)
+    logger.warning("tls_verification_disabled", target=target,
+                   reason="insecure_skip_verify is set: the server's certificate is not checked")
 
 
 def use_json(log_format: str, stream: IO[str]) -> bool:

@@ -150,6 +150,14 @@ def test_config_takes_a_selector_with_or_without_braces_and_inherits_auth() -> N
     assert "discovery prometheus" in cfg.summary()
 
 
+def test_an_unverified_query_api_is_said_once_at_start_naming_it() -> None:
+    with structlog.testing.capture_logs() as logs:
+        poller_for(config("https://prom:9090", tls={"insecure_skip_verify": True}), ManualClock(0.0))
+        poller_for(config("https://prom:9090"), ManualClock(0.0))  # verified: nothing to say
+    said = [entry for entry in logs if entry["event"] == "tls_verification_disabled"]
+    assert [(entry["target"], entry["log_level"]) for entry in said] == [("https://prom:9090", "warning")]
+
+
 @pytest.mark.parametrize(("targets", "problem"), [
     ({"prometheus": {"url": "http://p:9090", "selector": "job=vllm"}}, "PromQL label matchers"),
     ({"prometheus": {"url": "http://p:9090", "selector": '__name__="up"'}}, "chooses the metric names"),

@@ -34,6 +34,7 @@ from urllib3.util import Timeout, make_headers, parse_url
 
 from exporter import __version__
 from exporter.capacity import model
+from exporter.logs import say_tls_verification_is_off
 from exporter.serve.config import Config, Deployment, Tls
 from exporter.serve.discovery import Discovery, Target
 from exporter.serve.engines import PageReading, read_page
@@ -350,6 +351,7 @@ def _new_pool(scheme: str, host: str, port: int | None, verify: bool | str, time
     if scheme == "http":
         return _TrackedHTTPPool(host, port, timeout=timeout, maxsize=MAX_FETCH_WORKERS, retries=False)
     if verify is False:
+        say_tls_verification_is_off(log, f"{host}:{port}" if port else host)  # once: a pool lives with its target
         return _TrackedHTTPSPool(host, port, timeout=timeout, maxsize=MAX_FETCH_WORKERS, retries=False,
                                  cert_reqs="CERT_NONE", assert_hostname=False)
     return _TrackedHTTPSPool(host, port, timeout=timeout, maxsize=MAX_FETCH_WORKERS, retries=False,

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import requests
 import structlog
 
+from exporter.logs import say_tls_verification_is_off
 from exporter.serve.config import Deployment, PrometheusTargets
 from exporter.serve.discovery import Target
 from exporter.serve.engines import PageError, PageReading, PageScan, reading_from_scan, wanted_names
@@ -199,6 +200,8 @@ class PrometheusSource:
         self._monotonic = monotonic
         self._session = session or _session()
         self._keep = keep  # this shard's share of the targets (sharding), or all
+        if self.spec.tls.insecure_skip_verify:
+            say_tls_verification_is_off(log, self.spec.url)
         self._query = series_query(wanted_names(deployment.kind), self.spec.selector)
         self._targets: dict[ScrapeKey, Target] = {}  # last answer's targets: what a failed query marks down
         self._read_at: dict[ScrapeKey, float] = {}  # scrape time of the last samples read, per target
