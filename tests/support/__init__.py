@@ -5,6 +5,7 @@
 - pages: VllmState and vllm_page, a vLLM V1 /metrics page builder
 - pollers: MakePoller, the type of the `make_poller` fixture
 - alertmanager: Alertmanager (a client of a real one) and its config
+- admission: daemon_with_admission, a running daemon with admission on (its HTTP API and the ASGI gateway)
 - tools: REPO and require_tool (external tools the tests drive: promtool, helm, ...)
 - monitoring: shared checks for the rules, the dashboards and the chart's copies of both
 - e2e: the pieces of the end-to-end stack and the quickstart checks (tests/test_e2e_stack.py)
