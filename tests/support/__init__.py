@@ -2,7 +2,7 @@
 
 - clocks: ManualClock (time moves when a test says so), SteppingClock (moves at every read)
 - servers: free_port, wait_until, send_text, PageServer (a real HTTP server on 127.0.0.1)
-- configs: write (a config file for a test) and MINIMAL (the smallest valid config)
+- configs: write (a config file for a test), MINIMAL (the smallest valid config), make_config (one vLLM target)
 - pages: VllmState and vllm_page, a vLLM V1 /metrics page builder
 - pollers: MakePoller, the type of the `make_poller` fixture, and scrape (what the collector exports from its readings)
 - alertmanager: Alertmanager (a client of a real one) and its config
