@@ -8,6 +8,7 @@
 - alertmanager: Alertmanager (a client of a real one) and its config
 - admission: daemon_with_admission, a running daemon with admission on (its HTTP API and the ASGI gateway)
 - tools: REPO and require_tool (external tools the tests drive: promtool, helm, ...)
+- chart: the Helm chart rendered by the real helm binary (render, helm) and its objects (of_kind, one, ...)
 - monitoring: shared checks for the rules, the dashboards and the chart's copies of both
 - e2e: the pieces of the end-to-end stack and the quickstart checks (tests/test_e2e_stack.py)
 """
