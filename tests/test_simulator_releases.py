@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.errors import InputError
 from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
-from tests.support.simulator import blocks_by_hand, step
-from tests.test_simulator_page import _structure
+from tests.support.simulator import blocks_by_hand, step, structure
 
 GENUINE = Path(__file__).parent / "data" / "vllm_reference" / "vllm-0.33.0_GENUINE_dp2_t1.prom"
 Values = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -205,12 +204,12 @@ def _emitted(version: str) -> dict[str, tuple[str, str, frozenset[str], tuple[st
     sim = Simulator(ServerSpec(vllm_version=version, data_parallel_size=2, max_model_len=40960,
                                served_model_name="Qwen/Qwen3-8B"), load_scenario("steady-chat"))
     sim.run_until(5.0)
-    return {name: shape for name, shape in _structure(sim.render_metrics().decode()).items()
+    return {name: shape for name, shape in structure(sim.render_metrics().decode()).items()
             if name.startswith("vllm:") and not name.endswith("_created")}
 
 
 def test_the_0_33_page_has_the_genuine_pages_families_types_labels_and_buckets() -> None:
-    genuine = _structure(GENUINE.read_text())
+    genuine = structure(GENUINE.read_text())
     ours = _emitted("0.33")
     assert {"vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total",
             "vllm:prompt_tokens_cached_by_source_total", "vllm:prefix_cache_hits_total",
