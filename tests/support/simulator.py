@@ -1,16 +1,23 @@
 """The simulated engine worked by hand, for the simulator's test modules: its KV blocks as vLLM sizes
-them, stepping it one event at a time, and a /metrics page's structure to diff against vLLM's."""
+them, stepping it one event at a time, a /metrics page's structure to diff against vLLM's, and what
+`calibrate --url` measures on it (`simulated_calibration`, of the server `SPEC`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from functools import lru_cache
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.capacity import calibrate, model
+from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.capacity.presets import GPUS, MODELS
-from exporter.simulator import Simulator
+from exporter.simulator import ServerSpec, Simulator
+from exporter.simulator.engine import single_stream_token_seconds
 
 QWEN = MODELS["qwen3-8b"]
+SPEC = ServerSpec()
 
 
 def kv_bytes_per_token_by_hand() -> float:
@@ -43,3 +50,15 @@ def structure(text: str) -> Structure:
         name = family.name + ("_total" if family.type == "counter" else "")
         out[name] = (family.type, family.documentation, frozenset(labels), tuple(dict.fromkeys(edges)))
     return out
+
+
+@lru_cache(maxsize=1)
+def simulated_calibration() -> model.Calibration:
+    """What `calibrate --url` does (a short and a long lone stream), in simulated time."""
+    setup = build_setup(load_architecture("qwen3-8b"), "h100-sxm").setup
+    measurements = []
+    for context in (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, calibrate.DEFAULT_LONG_CONTEXT_TOKENS):
+        times = single_stream_token_seconds(SPEC, context, calibrate.DEFAULT_OUTPUT_TOKENS)
+        gaps = tuple(later - earlier for earlier, later in itertools.pairwise(times))
+        measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
+    return model.calibrate(calibrate.points_from_measurements(setup, measurements))
