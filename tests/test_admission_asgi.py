@@ -28,8 +28,8 @@ from exporter.admission.integrations.asgi import (
     AdmissionMiddleware,
     estimate_prompt_tokens,
 )
+from tests.support.admission import daemon_with_admission
 from tests.support.servers import free_port
-from tests.test_admission_http import daemon_with_admission
 
 TOKEN = "gateway-token-456"
 TIMEOUT_SECONDS = 10.0

@@ -12,8 +12,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -22,7 +20,6 @@ import requests
 import yaml
 
 from exporter.admission import wiring as admission
-from exporter.admission.api import AdmissionApi
 from exporter.admission.client import (
     AdmissionClient,
     AdmissionError,
@@ -35,52 +32,17 @@ from exporter.capacity.presets import get_model_preset
 from exporter.serve import daemon as daemon_module
 from exporter.serve.config import config_from_mapping
 from exporter.simulator import ServerSpec, start_server
+from tests.support.admission import RunningDaemon, daemon_with_admission
 from tests.support.servers import free_port, wait_until
 
 TOKEN = "gateway-token-123"
 TIMEOUT_SECONDS = 5.0
 
 
-@dataclass
-class RunningDaemon:
-    url: str
-    daemon: daemon_module.Daemon
-    api: AdmissionApi
-
-
 def chat_budget_tokens() -> float:
     """Qwen3-8B on an H100 SXM at the default 50 tok/s and 0.9 headroom, by the capacity model."""
     setup = build_setup(get_model_preset("qwen3-8b"), "h100-sxm").setup
     return model.token_budget_tokens(setup, model.step_budget_seconds(50.0, 0.9))
-
-
-@contextmanager
-def daemon_with_admission(tmp_path: Path, token: str, simulator_speed: float = 1.0) -> Iterator[RunningDaemon]:
-    """A daemon on 127.0.0.1 with admission on, after one poll of an idle simulated vLLM server
-    (also on 127.0.0.1); everything it started is stopped on exit."""
-    token_file = tmp_path / "admission-token"
-    token_file.write_text(token + "\n")
-    simulated = start_server("127.0.0.1", 0, None, simulator_speed, ServerSpec())
-    try:
-        config = config_from_mapping({
-            "listen": "127.0.0.1:0", "timeout": "5s",
-            "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
-                             "targets": {"static": [f"{simulated.url}/metrics"]}}],
-            "admission": {"enabled": True, "token_file": str(token_file)},
-        })
-        daemon = daemon_module.build_daemon(config)
-        try:
-            api = admission.install(daemon)
-            assert api is not None
-            daemon.server.start()
-            daemon.poller.poll_once()
-            yield RunningDaemon(f"http://127.0.0.1:{daemon.server.port}", daemon, api)
-        finally:
-            daemon.server.stop()
-            daemon.poller.stop()
-            daemon.fetcher.close()
-    finally:
-        simulated.stop()
 
 
 @pytest.fixture()

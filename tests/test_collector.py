@@ -12,18 +12,15 @@ import math
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__
 from exporter.capacity.presets import get_gpu, get_model_preset
 from exporter.serve.collector import PER_TARGET, make_registry
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.discovery import Discovery
-from exporter.serve.poller import Poller
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
-from tests.support.pollers import MakePoller
+from tests.support.pollers import MakePoller, scrape
 from tests.support.servers import PageServer
 
 DATA = Path(__file__).parent / "data"
@@ -35,16 +32,6 @@ def make_config(urls: list[str], **deployment: object) -> Config:
         "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
                          "targets": {"static": urls}, **deployment}],
     })
-
-
-def scrape(config: Config, poller: Poller) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """The collector's exposition, parsed back: sample name -> [(labels, value)]."""
-    text = generate_latest(make_registry(poller.readings, config.deployments)).decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return samples
 
 
 def only(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:

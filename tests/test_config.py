@@ -28,24 +28,9 @@ from exporter.serve.config import (
     top_level_keys,
 )
 from exporter.serve.daemon import build_parser, config_from_args
+from tests.support.configs import MINIMAL, write
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "stepbudget.yaml"
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
-MINIMAL = """\
-    deployments:
-      - name: chat
-        model: qwen3-8b
-        gpu: h100-sxm
-        targets:
-          static: [http://10.0.0.5:8000/metrics]
-"""
 
 
 def error_of(tmp_path: Path, text: str) -> str:

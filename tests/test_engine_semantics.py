@@ -16,9 +16,8 @@ from exporter.serve.snapshot import Histogram, Snapshot
 from exporter.serve.window import compute_window
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
-from tests.support.pollers import MakePoller
+from tests.support.pollers import MakePoller, scrape
 from tests.support.servers import PageServer
-from tests.test_collector import scrape
 
 
 def _config(url: str, **deployment: object) -> Config:

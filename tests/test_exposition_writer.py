@@ -17,10 +17,10 @@ from prometheus_client.registry import Collector
 from exporter.serve.exposition_writer import render_text
 from exporter.serve.server import MetricsPage
 from tests.support.clocks import ManualClock
+from tests.support.configs import make_config
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller
 from tests.support.servers import PageServer
-from tests.test_metrics_page import make_config
 
 
 class Families(Collector):

@@ -8,7 +8,6 @@ through `stepbudget check-config`.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -20,15 +19,23 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.support.chart import (
+    CHART,
+    CI_VALUES,
+    DEPLOYMENT_VALUES,
+    NAMESPACE,
+    RELEASE,
+    STATEFULSET_VALUES,
+    helm,
+    matches,
+    of_kind,
+    one,
+    render,
+    workload,
+)
 from tests.support.monitoring import REPO, known_metrics, metric_names, promtool_check_exprs
 from tests.support.tools import require_tool
 
-CHART = REPO / "helm" / "stepbudget"
-CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
-STATEFULSET_VALUES = CHART / "ci" / "statefulset-values.yaml"
-DEPLOYMENT_VALUES = CHART / "ci" / "deployment-values.yaml"
-NAMESPACE = "monitoring"
-RELEASE = "sb"
 K8S_VERSION = "1.30"
 # Chart.yaml's kubeVersion floor and the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ["1.25", K8S_VERSION, "1.37"]
@@ -40,27 +47,6 @@ VALUE_SETS = [None, *CI_VALUES]
 
 def _id(values: Path | None) -> str:
     return values.name if values else "default"
-
-
-def _helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([require_tool("helm"), *args], capture_output=True, text=True, check=False)
-
-
-@functools.cache
-def _render_text(values: Path | None, sets: tuple[str, ...] = ()) -> str:
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
-    if values:
-        args += ["-f", str(values)]
-    for item in sets:
-        args += ["--set", item]
-    result = _helm(*args)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def render(values: Path | None = None, *sets: str) -> list[dict]:
-    """Every object `helm template` produces for these values."""
-    return [doc for doc in yaml.safe_load_all(_render_text(values, tuple(sets))) if doc]
 
 
 def _merge(base: dict, overlay: dict) -> dict:
@@ -78,38 +64,8 @@ def _values(values: Path | None) -> dict:
     return _merge(defaults, yaml.safe_load(values.read_text())) if values else defaults
 
 
-def of_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [doc for doc in docs if doc["kind"] == kind]
-
-
-def one(docs: list[dict], kind: str) -> dict:
-    found = of_kind(docs, kind)
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
-
-
-def workload(docs: list[dict]) -> dict:
-    found = of_kind(docs, "Deployment") + of_kind(docs, "StatefulSet")
-    assert len(found) == 1, [d["kind"] for d in found]
-    return found[0]
-
-
 def container(docs: list[dict]) -> dict:
     return workload(docs)["spec"]["template"]["spec"]["containers"][0]
-
-
-def _matches(selector: dict, labels: dict) -> bool:
-    """Kubernetes label-selector semantics: matchLabels and In/NotIn/Exists/DoesNotExist expressions."""
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expression in selector.get("matchExpressions", []):
-        key, operator = expression["key"], expression["operator"]
-        verdict = {"Exists": key in labels, "DoesNotExist": key not in labels,
-                   "In": labels.get(key) in expression.get("values", []),
-                   "NotIn": labels.get(key) not in expression.get("values", [])}[operator]
-        if not verdict:
-            return False
-    return True
 
 
 # --- helm lint and the objects rendered ---------------------------------------------------------
@@ -117,7 +73,7 @@ def _matches(selector: dict, labels: dict) -> bool:
 @pytest.mark.parametrize("values", VALUE_SETS, ids=_id)
 def test_helm_lint_strict(values: Path | None) -> None:
     args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE] + (["-f", str(values)] if values else [])
-    result = _helm(*args)
+    result = helm(*args)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 chart(s) failed" in result.stdout
 
@@ -237,7 +193,7 @@ def test_statefulset_has_a_headless_governing_service_not_scraped_twice() -> Non
     headless = services[sts["spec"]["serviceName"]]
     assert headless["spec"]["clusterIP"] == "None"
     monitor = one(docs, "ServiceMonitor")["spec"]["selector"]
-    scraped = [name for name, s in services.items() if _matches(monitor, s["metadata"]["labels"])]
+    scraped = [name for name, s in services.items() if matches(monitor, s["metadata"]["labels"])]
     assert scraped == [name for name in services if name != sts["spec"]["serviceName"]]
 
 
@@ -325,7 +281,7 @@ def test_service_monitor_scrapes_the_service_port_with_honor_labels(values: Path
     monitor = one(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     service = next(s for s in of_kind(docs, "Service")
-                   if _matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
+                   if matches(monitor["spec"]["selector"], s["metadata"]["labels"]))
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
@@ -399,7 +355,7 @@ def test_network_policy_admits_scrapes_and_derives_egress_from_the_config(values
     docs = render(values)
     policy = one(docs, "NetworkPolicy")["spec"]
     pod_labels = workload(docs)["spec"]["template"]["metadata"]["labels"]
-    assert _matches(policy["podSelector"], pod_labels)
+    assert matches(policy["podSelector"], pod_labels)
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     assert policy["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
     dns, model_servers, *others = policy["egress"]
@@ -441,13 +397,13 @@ def test_network_policy_reads_ports_from_urls_and_kubernetes_defaults(tmp_path: 
     ],
 )
 def test_schema_rejects_bad_values(setting: str, key: str) -> None:
-    result = _helm("template", RELEASE, str(CHART), "--set", setting)
+    result = helm("template", RELEASE, str(CHART), "--set", setting)
     assert result.returncode != 0, f"{setting} was accepted"
     assert key in result.stderr
 
 
 def test_keda_requires_a_scale_target() -> None:
-    result = _helm("template", RELEASE, str(CHART), "--set", "keda.enabled=true", "--set", "keda.deployment=chat")
+    result = helm("template", RELEASE, str(CHART), "--set", "keda.enabled=true", "--set", "keda.deployment=chat")
     assert result.returncode != 0 and "keda.scaleTargetRef.name is required" in result.stderr
 
 

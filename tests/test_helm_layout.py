@@ -19,15 +19,15 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from tests.test_helm_chart import (
+from tests.support.chart import (
     CHART,
     CI_VALUES,
     DEPLOYMENT_VALUES,
     NAMESPACE,
     RELEASE,
     STATEFULSET_VALUES,
-    _helm,
-    _matches,
+    helm,
+    matches,
     of_kind,
     one,
     render,
@@ -59,10 +59,10 @@ def _peer_admits(peer: dict, destination: dict, policy_namespace: str) -> bool:
     if "namespace" not in destination:  # a host-network address is no pod a selector can pick
         return False
     if "namespaceSelector" in peer:
-        namespace_ok = _matches(peer["namespaceSelector"], _namespace_labels(destination["namespace"]))
+        namespace_ok = matches(peer["namespaceSelector"], _namespace_labels(destination["namespace"]))
     else:
         namespace_ok = destination["namespace"] == policy_namespace
-    return namespace_ok and _matches(peer.get("podSelector", {}), destination["labels"])
+    return namespace_ok and matches(peer.get("podSelector", {}), destination["labels"])
 
 
 def egress_allows(policy: dict, destination: dict, port: int, protocol: str = "TCP") -> bool:
@@ -160,7 +160,7 @@ def test_sharded_statefulset_gets_a_pdb_that_lets_one_shard_go_at_a_time() -> No
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
     sts = one(docs, "StatefulSet")
-    assert _matches(pdb["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    assert matches(pdb["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
     assert pdb["metadata"]["namespace"] == sts["metadata"]["namespace"] == NAMESPACE
     kubernetes_validate.validate(pdb, "1.25", strict=True)
 
@@ -262,7 +262,7 @@ def test_values_duration_is_the_service_monitor_crds_pattern() -> None:
 def _refusal(values: dict, tmp_path: Path) -> str:
     path = tmp_path / "values.yaml"
     path.write_text(yaml.safe_dump(values))
-    result = _helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path))
+    result = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(path))
     assert result.returncode != 0, f"{values} was accepted"
     return result.stderr
 
@@ -326,7 +326,7 @@ def _notes(values: Path | None, *sets: str) -> str:
     args += ["-f", str(values)] if values else []
     for item in sets:
         args += ["--set", item]
-    result = _helm(*args)
+    result = helm(*args)
     assert result.returncode == 0, result.stderr
     return result.stdout.split("NOTES:\n", 1)[1]
 

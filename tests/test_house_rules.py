@@ -1,4 +1,5 @@
-"""House rules the linters cannot check: every module says its one job, and every suppression says why.
+"""House rules the linters cannot check: every module says its one job, every suppression says why,
+and tests share code only through tests/support/.
 
 - Every module under `exporter/` opens with a docstring (its first line names the module's one job;
   docs/architecture.md lists them).
@@ -9,6 +10,10 @@
 - The temporary lint exclusions in pyproject.toml (files being edited on other branches) name the
   same files for ruff and for mypy, so removing one list without the other cannot go unnoticed.
   Files in them are skipped by the suppression check too, until they land.
+- No module under `tests/` imports a test module (`tests.test_*`, or `test_*`, which pytest's
+  sys.path also lets through), at module level or inside a function: shared test code lives in
+  `tests/support/`. A test module's helpers are its own to change; once another module imports
+  them, renaming one breaks a file nobody looked at.
 """
 
 from __future__ import annotations
@@ -81,6 +86,31 @@ def bare_suppressions(path: Path) -> list[str]:
     return [f"{path.relative_to(ROOT)}:{line}: {comment}" for line, comment in _comments(path) if is_bare(comment)]
 
 
+def is_test_module(name: str) -> bool:
+    """`tests.test_x` or `test_x` (relative dots dropped): a module pytest collects tests from."""
+    parts = name.lstrip(".").split(".")
+    if parts[0] == "tests":
+        parts = parts[1:]
+    return bool(parts) and parts[0].startswith("test_")
+
+
+def imports_of_test_modules(path: Path) -> list[tuple[int, str]]:
+    """Every import of a test module in `path`, at any depth (inside functions too): (line, the import)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            # `from tests import test_x` imports the module test_x: the imported names count as modules too.
+            names = [module, *(f"{module.rstrip('.')}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        if any(is_test_module(name) for name in names):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
 def test_every_module_opens_with_a_docstring() -> None:
     missing = [str(path.relative_to(ROOT)) for path in sorted(PACKAGE.rglob("*.py"))
                if not ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))]
@@ -93,6 +123,13 @@ def test_every_type_ignore_and_noqa_names_its_codes_and_reason() -> None:
              if path not in skipped and "data" not in path.relative_to(ROOT).parts]
     found = [problem for path in paths for problem in bare_suppressions(path)]
     assert not found, "suppressions without codes or a reason on the line:\n" + "\n".join(found)
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    paths = [path for path in sorted((ROOT / "tests").rglob("*.py")) if "data" not in path.relative_to(ROOT).parts]
+    found = [f"{path.relative_to(ROOT)}:{line}: {statement}"
+             for path in paths for line, statement in imports_of_test_modules(path)]
+    assert not found, "imports of a test module (move what is shared into tests/support/):\n" + "\n".join(found)
 
 
 def test_the_temporary_exclusions_name_the_same_files_for_ruff_and_mypy() -> None:
@@ -127,3 +164,36 @@ def test_the_checker_finds_bare_suppressions(tmp_path: Path) -> None:
                             "e = 1  # noqa: E501\n"
                             "g = 1  # noqa - no codes\n")
     assert len(found) == 6, found
+
+
+def _imports(tmp_path: Path, source: str) -> list[str]:
+    path = tmp_path / "module.py"
+    path.write_text(source, encoding="utf-8")
+    return [statement for _, statement in imports_of_test_modules(path)]
+
+
+def test_the_import_checker_accepts_support_and_other_modules(tmp_path: Path) -> None:
+    assert _imports(tmp_path, "import os\n"
+                              "from tests.support.configs import MINIMAL, write\n"
+                              "from tests.support import pages\n"
+                              "from exporter.serve import config\n"
+                              "import tests.support.chart\n"
+                              "from . import support\n") == []
+
+
+def test_the_import_checker_finds_test_modules_at_any_depth(tmp_path: Path) -> None:
+    found = _imports(tmp_path, "from tests.test_config import MINIMAL, write\n"
+                               "import tests.test_collector\n"
+                               "import test_simulator as sim\n"
+                               "from test_metrics_page import make_config\n"
+                               "from tests import test_helm_chart\n"
+                               "from .test_simulator_page import _structure\n"
+                               "def helper() -> None:\n"
+                               "    from tests.test_admission_http import daemon_with_admission\n"
+                               "class Helper:\n"
+                               "    def method(self) -> None:\n"
+                               "        import tests.test_sharding\n")
+    assert found == ["from tests.test_config import MINIMAL, write", "import tests.test_collector",
+                     "import test_simulator as sim", "from test_metrics_page import make_config",
+                     "from tests import test_helm_chart", "from .test_simulator_page import _structure",
+                     "from tests.test_admission_http import daemon_with_admission", "import tests.test_sharding"], found

@@ -17,22 +17,15 @@ from prometheus_client import CollectorRegistry
 from exporter.admission.book import AdmissionBook, AdmissionRequest, DeploymentPolicy
 from exporter.admission.metrics import AdmissionCollector
 from exporter.serve.collector import StepBudgetCollector, make_registry
-from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.poller import Poller
 from exporter.serve.server import MetricsPage, StepBudgetServer
 from tests.support.clocks import ManualClock
+from tests.support.configs import make_config
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller
 from tests.support.servers import PageServer
 
 OPEN_METRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
-
-
-def make_config(url: str) -> Config:
-    return config_from_mapping({
-        "poll_interval": "15s", "stale_after": "60s",
-        "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": [url]}}],
-    })
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from exporter.serve import sharding
 from exporter.serve.config import ConfigError, load_config
 from exporter.serve.discovery import Target, target_label
 from exporter.serve.sharding import Shard, ShardedDiscovery, keep_targets, parse_shard, shard_of
+from tests.support.configs import MINIMAL, write
 from tests.support.tools import REPO, require_tool
-from tests.test_config import MINIMAL, write
 
 CHART = REPO / "helm" / "stepbudget"
 

@@ -15,44 +15,29 @@ from pathlib import Path
 import pytest
 import requests
 
-from exporter.capacity.presets import GPUS, MODELS
+from exporter.capacity.presets import GPUS
 from exporter.errors import InputError
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from exporter.simulator.scenarios import ClosedLoopGroup
+from tests.support.simulator import QWEN, blocks_by_hand, kv_bytes_per_token_by_hand, step
 
 DATA = Path(__file__).parent / "data" / "scenarios"
-QWEN = MODELS["qwen3-8b"]
-
-
-def _kv_bytes_per_token_by_hand() -> float:
-    return 2 * QWEN.layers * QWEN.kv_heads * QWEN.head_dim * 2  # K and V, bf16
-
-
-def _blocks_by_hand(utilization: float, reserve: float = 3.0e9) -> int:
-    available = GPUS["h100-sxm"].memory_bytes * utilization - QWEN.params * 2 - reserve
-    return math.floor(available / (16 * _kv_bytes_per_token_by_hand()))
-
-
-def _step(sim: Simulator) -> None:
-    next_event = sim.next_event_seconds()
-    assert next_event is not None
-    sim.run_until(next_event)
 
 
 def test_kv_cache_blocks_follow_vllm_sizing() -> None:
     sim = Simulator(ServerSpec())
-    assert _kv_bytes_per_token_by_hand() == 147456  # 144 KiB, DESIGN §1
-    assert sim.num_gpu_blocks == _blocks_by_hand(0.9)
+    assert kv_bytes_per_token_by_hand() == 147456  # 144 KiB, DESIGN §1
+    assert sim.num_gpu_blocks == blocks_by_hand(0.9)
     assert sim.capacity_tokens == sim.num_gpu_blocks * 16
 
 
 def test_a_sequence_holds_whole_blocks() -> None:
     sim = Simulator(ServerSpec(), record_steps=True)
     sim.submit(1001, 3)
-    _step(sim)  # the whole prompt fits one step's 2,048-token budget
+    step(sim)  # the whole prompt fits one step's 2,048-token budget
     assert sim.used_blocks == math.ceil(1001 / 16) == 63
     assert sim.counters.kv_usage_ratio == pytest.approx(63 / sim.num_gpu_blocks)
-    _step(sim)  # 1,002 tokens still fit 63 blocks
+    step(sim)  # 1,002 tokens still fit 63 blocks
     assert sim.used_blocks == 63
 
 
@@ -60,7 +45,7 @@ def test_long_prompt_is_prefilled_in_chunks_then_streams() -> None:
     sim = Simulator(ServerSpec(), record_steps=True)
     request = sim.submit(5000, 4)
     for _ in range(3):
-        _step(sim)
+        step(sim)
     assert sim.steps is not None
     assert [s.prefill_tokens for s in sim.steps] == [2048, 2048, 5000 - 2 * 2048]
     assert request.output_tokens == 1  # the step that finishes the prompt samples the first token
@@ -73,10 +58,10 @@ def test_long_prompt_is_prefilled_in_chunks_then_streams() -> None:
 def test_decodes_are_scheduled_first_and_prefill_fills_the_rest() -> None:
     sim = Simulator(ServerSpec(), record_steps=True)
     sim.submit(100, 50)
-    _step(sim)
+    step(sim)
     sim.submit(5000, 5)  # the next step was already scheduled when this one ended; it joins the one after
-    _step(sim)
-    _step(sim)
+    step(sim)
+    step(sim)
     assert sim.steps is not None
     last = sim.steps[-1]
     assert (last.decode_tokens, last.prefill_tokens) == (1, 2048 - 1)
@@ -86,10 +71,10 @@ def test_each_decoding_request_observes_the_step_time_once() -> None:
     sim = Simulator(ServerSpec(), record_steps=True)
     sim.submit(100, 10)
     sim.submit(120, 10)
-    _step(sim)  # both prompts: first tokens (TTFT, not ITL)
+    step(sim)  # both prompts: first tokens (TTFT, not ITL)
     itl = sim.counters.histograms["itl"]
     assert itl.count == 0
-    _step(sim)
+    step(sim)
     assert sim.steps is not None
     assert itl.count == 2
     assert itl.sum == pytest.approx(2 * sim.steps[-1].seconds)
@@ -106,7 +91,7 @@ def test_step_time_grows_with_tokens_in_flight() -> None:
     def gap(times: list[float]) -> float:
         return sorted(b - a for a, b in itertools.pairwise(times))[len(times) // 2 - 1]
 
-    extra_kv_bytes = (16384 - 256) * _kv_bytes_per_token_by_hand()
+    extra_kv_bytes = (16384 - 256) * kv_bytes_per_token_by_hand()
     peak = GPUS["h100-sxm"].peak_bandwidth_bytes_per_second
     # The KV term alone at any efficiency between 0.4 and 1.0 of the peak:
     assert extra_kv_bytes / peak < gap(long) - gap(short) < extra_kv_bytes / (0.4 * peak)
@@ -114,21 +99,21 @@ def test_step_time_grows_with_tokens_in_flight() -> None:
 
 def test_newest_running_request_is_preempted_and_recomputed() -> None:
     # A cache of ~300 blocks: two 2,000-token prompts fit, their 2,000-token answers do not.
-    utilization = (QWEN.params * 2 + 3.0e9 + 300 * 16 * _kv_bytes_per_token_by_hand()) / GPUS["h100-sxm"].memory_bytes
+    utilization = (QWEN.params * 2 + 3.0e9 + 300 * 16 * kv_bytes_per_token_by_hand()) / GPUS["h100-sxm"].memory_bytes
     spec = ServerSpec(gpu_memory_utilization=utilization, max_model_len=4096)
     sim = Simulator(spec)
-    assert sim.num_gpu_blocks == _blocks_by_hand(utilization)
+    assert sim.num_gpu_blocks == blocks_by_hand(utilization)
     older = sim.submit(2000, 2000)
     newer = sim.submit(2000, 2000)
     while sim.counters.preemptions == 0:
-        _step(sim)
+        step(sim)
     assert (older.preemptions, newer.preemptions) == (0, 1)
     assert newer in sim.waiting and newer.blocks == 0 and newer.computed_tokens == 0
     assert sim.used_blocks == older.blocks
     while not older.finished:
-        _step(sim)
+        step(sim)
     while not newer.finished:
-        _step(sim)
+        step(sim)
     assert newer.output_tokens == 2000
     assert sim.counters.generation_tokens == 4000
     assert sim.counters.prompt_tokens == 4000  # recomputation is not counted as new prompt tokens
@@ -139,7 +124,7 @@ def test_max_num_seqs_caps_the_batch() -> None:
     sim = Simulator(ServerSpec(max_num_seqs=2))
     for _ in range(3):
         sim.submit(10, 5)
-    _step(sim)
+    step(sim)
     assert (sim.counters.running, sim.counters.waiting) == (2, 1)
 
 

@@ -33,7 +33,7 @@ from exporter.serve.reading import Reading
 from exporter.simulator import ServerHandle, ServerSpec, load_scenario, start_server
 from tests.support.clocks import ManualClock
 from tests.support.pollers import MakePoller
-from tests.test_simulator_tracking import _calibration
+from tests.support.simulator import simulated_calibration
 
 POLL_SECONDS = 15.0
 POLLS = 40  # 10 simulated minutes: twice the alert's `for`
@@ -60,7 +60,7 @@ def server() -> Iterator[ServerHandle]:
 
 
 def _config(url: str) -> Config:
-    calibration = _calibration()
+    calibration = simulated_calibration()
     return config_from_mapping({"poll_interval": "15s", "timeout": "5s", "deployments": [{
         "name": "agents", "model": "qwen3-8b", "gpu": "h100-sxm",
         "effective_bandwidth": calibration.effective_bandwidth_bytes_per_second,

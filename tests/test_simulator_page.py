@@ -15,27 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.errors import InputError
 from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario
+from tests.support.simulator import structure
 
 REFERENCE = Path(__file__).parent / "data" / "vllm_reference" / "vllm_v1_RECONSTRUCTED_single_process.txt"
 # Real vLLM families (REPORT.md §a.2) the simulator serves beyond the reconstruction's subset.
 EXTRA_VLLM_FAMILIES = {"vllm:request_generation_tokens", "vllm:request_time_per_output_token_seconds",
                        "vllm:request_queue_time_seconds", "vllm:request_num_preemptions"}
-
-Structure = dict[str, tuple[str, str, frozenset[str], tuple[str, ...]]]
-
-
-def _structure(text: str) -> Structure:
-    out: Structure = {}
-    for family in text_string_to_metric_families(text):
-        labels: set[str] = set()
-        edges: list[str] = []
-        for sample in family.samples:
-            labels |= set(sample.labels) - {"le"}
-            if sample.name.endswith("_bucket"):
-                edges.append(sample.labels["le"])
-        name = family.name + ("_total" if family.type == "counter" else "")
-        out[name] = (family.type, family.documentation, frozenset(labels), tuple(dict.fromkeys(edges)))
-    return out
 
 
 def _page(version: str = "latest", scenario: str = "steady-chat", until: float = 20.0) -> tuple[Simulator, str]:
@@ -46,9 +31,9 @@ def _page(version: str = "latest", scenario: str = "steady-chat", until: float =
 
 
 def test_page_structure_matches_vllm_reference() -> None:
-    reference = _structure(REFERENCE.read_text())
+    reference = structure(REFERENCE.read_text())
     _, text = _page()
-    ours = _structure(text)
+    ours = structure(text)
     missing = sorted(set(reference) - set(ours))
     assert not missing, f"families vLLM has and the simulator lacks: {missing}"
     for name, expected in reference.items():

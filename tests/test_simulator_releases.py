@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.errors import InputError
 from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
-from tests.test_simulator import _blocks_by_hand, _step
-from tests.test_simulator_page import _structure
+from tests.support.simulator import blocks_by_hand, step, structure
 
 GENUINE = Path(__file__).parent / "data" / "vllm_reference" / "vllm-0.33.0_GENUINE_dp2_t1.prom"
 Values = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -46,7 +45,7 @@ def test_a_cached_prefix_is_hit_in_whole_blocks_and_only_the_rest_is_computed() 
     sim = Simulator(ServerSpec(vllm_version="0.33"), record_steps=True)
     request = sim.submit(10_000, 3, cached_prefix_tokens=9_900)
     for _ in range(3):
-        _step(sim)
+        step(sim)
     # 9,900 cached tokens are 618 whole blocks = 9,888 tokens; 112 are computed, in one step.
     assert request.prefix_hit_tokens == 9_888
     assert sim.steps is not None
@@ -72,7 +71,7 @@ def test_a_cached_prefix_is_hit_in_whole_blocks_and_only_the_rest_is_computed() 
 def test_cached_blocks_of_a_running_request_are_used_blocks() -> None:
     sim = Simulator(ServerSpec(vllm_version="0.33"))
     sim.submit(10_000, 5, cached_prefix_tokens=9_900)
-    _step(sim)
+    step(sim)
     # After the prompt's step the request holds its 10,000 tokens in 625 blocks, the 618 cached ones
     # included (the next step, already scheduled, holds a 626th for token 10,001).
     assert _get(_values(sim), "vllm:kv_cache_usage_perc") == pytest.approx(625 / sim.num_gpu_blocks)
@@ -82,7 +81,7 @@ def test_cached_blocks_of_a_running_request_are_used_blocks() -> None:
 def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
     sim = Simulator(ServerSpec(vllm_version="0.33"), record_steps=True)
     request = sim.submit(10_000, 1, cached_prefix_tokens=10_000)
-    _step(sim)
+    step(sim)
     # At most prompt - 1 = 9,999 tokens hit, in whole blocks: 624 x 16 = 9,984; 16 are computed.
     assert request.prefix_hit_tokens == 9_984
     assert sim.steps is not None and sim.steps[0].prefill_tokens == 16
@@ -92,7 +91,7 @@ def test_a_chunked_prefill_reports_its_computed_tokens_in_the_step_of_its_last_c
     sim = Simulator(ServerSpec(vllm_version="0.33"), record_steps=True)
     sim.submit(100_000, 2, cached_prefix_tokens=50_000)
     for _ in range(26):
-        _step(sim)
+        step(sim)
     assert sim.steps is not None
     # 50,000 uncached tokens: 24 chunks of 2,048 and one of 848; only the last one emits output.
     assert [s.prefill_tokens for s in sim.steps] == [2048] * 24 + [848, 0]
@@ -106,8 +105,8 @@ def test_a_chunked_prefill_reports_its_computed_tokens_in_the_step_of_its_last_c
 def test_without_prefix_caching_nothing_hits_and_the_page_says_so() -> None:
     sim = Simulator(ServerSpec(vllm_version="0.33", enable_prefix_caching=False), record_steps=True)
     sim.submit(3_000, 1, cached_prefix_tokens=2_900)
-    _step(sim)
-    _step(sim)
+    step(sim)
+    step(sim)
     assert sim.steps is not None and [s.prefill_tokens for s in sim.steps] == [2048, 952]
     values = _values(sim)
     assert _get(values, "vllm:prefix_cache_queries_total") == 0
@@ -151,7 +150,7 @@ def test_data_parallel_engines_have_their_own_batch_cache_and_counters() -> None
     assert [r.engine for r in requests] == [0, 1, 0, 1]
     first, second = sim.engines
     for _ in range(6):
-        _step(sim)
+        step(sim)
     assert all(r.finished for r in requests)
     assert first.step_count >= 2 and second.step_count >= 2
     values = _values(sim)
@@ -164,7 +163,7 @@ def test_data_parallel_engines_have_their_own_batch_cache_and_counters() -> None
 
 def test_cache_config_info_sums_num_gpu_blocks_over_engines_and_keeps_kv_size_per_engine() -> None:
     sim = Simulator(ServerSpec(vllm_version="0.33", data_parallel_size=2, max_model_len=40960))
-    blocks = _blocks_by_hand(0.9)
+    blocks = blocks_by_hand(0.9)
     series = _cache_config(sim)
     assert [labels["engine"] for labels in series] == ["0", "1"]
     for labels in series:
@@ -177,7 +176,7 @@ def test_cache_config_info_sums_num_gpu_blocks_over_engines_and_keeps_kv_size_pe
 
 def test_the_0_23_page_sums_blocks_and_has_no_per_engine_size() -> None:
     sim = Simulator(ServerSpec(vllm_version="0.23", data_parallel_size=2))
-    blocks = _blocks_by_hand(0.9)
+    blocks = blocks_by_hand(0.9)
     for labels in _cache_config(sim):
         assert labels["num_gpu_blocks"] == str(2 * blocks)
         assert "kv_cache_size_tokens" not in labels and "kv_cache_max_concurrency" not in labels
@@ -205,12 +204,12 @@ def _emitted(version: str) -> dict[str, tuple[str, str, frozenset[str], tuple[st
     sim = Simulator(ServerSpec(vllm_version=version, data_parallel_size=2, max_model_len=40960,
                                served_model_name="Qwen/Qwen3-8B"), load_scenario("steady-chat"))
     sim.run_until(5.0)
-    return {name: shape for name, shape in _structure(sim.render_metrics().decode()).items()
+    return {name: shape for name, shape in structure(sim.render_metrics().decode()).items()
             if name.startswith("vllm:") and not name.endswith("_created")}
 
 
 def test_the_0_33_page_has_the_genuine_pages_families_types_labels_and_buckets() -> None:
-    genuine = _structure(GENUINE.read_text())
+    genuine = structure(GENUINE.read_text())
     ours = _emitted("0.33")
     assert {"vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total",
             "vllm:prompt_tokens_cached_by_source_total", "vllm:prefix_cache_hits_total",
@@ -240,7 +239,7 @@ def test_cache_config_info_reflects_the_engines_dtype_and_block_size() -> None:
     assert labels["cache_dtype"] == "fp8" and labels["block_size"] == "32"
     # fp8 halves the bytes per token: twice the 16-bit tokens, in blocks of 32.
     assert int(labels["kv_cache_size_tokens"]) == sim.num_gpu_blocks * 32
-    assert int(labels["kv_cache_size_tokens"]) == pytest.approx(2 * 16 * _blocks_by_hand(0.9), rel=1e-3)
+    assert int(labels["kv_cache_size_tokens"]) == pytest.approx(2 * 16 * blocks_by_hand(0.9), rel=1e-3)
 
 
 # --- scenario settings -------------------------------------------------------------------------------

@@ -13,42 +13,26 @@ prediction_error_ratio is taken against the measured mean.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 
 import pytest
 from prometheus_client import generate_latest
 
-from exporter.capacity import calibrate, model
-from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.serve.collector import make_registry
 from exporter.serve.config import Deployment, config_from_mapping
 from exporter.serve.reading import Reading
-from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, ServerSpec, Simulator, load_scenario
-from exporter.simulator.engine import single_stream_token_seconds
+from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, Simulator, load_scenario
 from tests.support.simulated_polls import simulated_polls
+from tests.support.simulator import SPEC, simulated_calibration
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15
-SPEC = ServerSpec()
-
-
-@lru_cache(maxsize=1)
-def _calibration() -> model.Calibration:
-    """What `calibrate --url` does (a short and a long lone stream), in simulated time."""
-    setup = build_setup(load_architecture("qwen3-8b"), "h100-sxm").setup
-    measurements = []
-    for context in (calibrate.DEFAULT_SHORT_CONTEXT_TOKENS, calibrate.DEFAULT_LONG_CONTEXT_TOKENS):
-        times = single_stream_token_seconds(SPEC, context, calibrate.DEFAULT_OUTPUT_TOKENS)
-        gaps = tuple(later - earlier for earlier, later in itertools.pairwise(times))
-        measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
-    return model.calibrate(calibrate.points_from_measurements(setup, measurements))
 
 
 def _deployment() -> Deployment:
-    calibration = _calibration()
+    calibration = simulated_calibration()
     config = config_from_mapping({"deployments": [{
         "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm",
         "effective_bandwidth": calibration.effective_bandwidth_bytes_per_second,
@@ -94,7 +78,7 @@ def _tracking_errors(polls: tuple[Poll, ...]) -> list[tuple[float, float]]:
 
 
 def test_calibration_from_one_stream_fits() -> None:
-    calibration = _calibration()
+    calibration = simulated_calibration()
     assert calibration.agrees
     for point, fitted in zip(calibration.points, calibration.fitted_seconds, strict=True):
         assert fitted == pytest.approx(point.itl_seconds, rel=0.02)
