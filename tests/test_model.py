@@ -462,6 +462,37 @@ def test_the_searched_budget_for_moe_and_windows_is_the_most_that_fits(
     assert model.step_seconds_at(setup, budget + 0.5, context) > step_budget
 
 
+def test_the_mean_step_over_a_prefill_mix_is_the_mean_of_its_steps_by_hand() -> None:
+    # 40 requests of 2,000 tokens; half the steps carry no prefill, a quarter 128 tokens and a quarter
+    # 4,096: at 0.5 of the dense peak the 4,096-token steps are past the GEMM roof, the others are not.
+    setup = replace(qwen3_setup(), step_overhead_seconds=0.001, per_request_seconds=20e-6)
+    compute = 0.5 * H100_BF16_DENSE_FLOPS
+    rest = 0.001 + 40 * 20e-6 + 40 * 2000 * QWEN3_KV_BYTES_PER_TOKEN / EFFECTIVE_BANDWIDTH
+    weights = QWEN3_WEIGHT_BYTES / EFFECTIVE_BANDWIDTH
+
+    def step(prefill: float) -> float:
+        return rest + max(weights, 2 * QWEN3_8B_PARAMS * (40 + prefill) / compute)
+
+    assert 2 * QWEN3_8B_PARAMS * 4136 / compute > weights > 2 * QWEN3_8B_PARAMS * 168 / compute
+    mix = ((0.0, 2.0), (128.0, 1.0), (4096.0, 1.0))  # shares need not sum to 1
+    expected = (2 * step(0) + step(128) + step(4096)) / 4
+    got = model.predict_mean_step(setup, [RequestGroup(40, 2000)], mix)
+    assert got == pytest.approx(expected, rel=1e-12)
+    # ...which is more than the step at the mean prefill (1,056 tokens): the few big chunks cost more.
+    assert got > step(1056) * (1 + 0.05)
+    # An empty mix is the decode step alone.
+    assert model.predict_mean_step(setup, [RequestGroup(40, 2000)], ()) == pytest.approx(step(0), rel=1e-12)
+
+
+def test_the_mean_step_matches_predict_step_bucket_by_bucket_for_moe() -> None:
+    # MoE: the prefill tokens also change which experts are read; the shortcut must still agree.
+    setup = build_setup(get_model_preset("qwen3-30b-a3b"), "h100-sxm").setup
+    groups = [RequestGroup(12, 3000)]
+    mix = ((0.0, 0.6), (64.0, 0.3), (8192.0, 0.1))
+    expected = sum(model.predict_step(setup, groups, tokens).step_seconds * share for tokens, share in mix)
+    assert model.predict_mean_step(setup, groups, mix) == pytest.approx(expected, rel=1e-12)
+
+
 def test_a_per_request_budget_by_hand_from_its_step_lines() -> None:
     # 100 us per request, memory-bound GEMMs, requests of 2,000 tokens at a 30 ms step budget.
     # (The preset reads its whole weights every step: no embedding table is looked up.)

@@ -423,8 +423,7 @@ def predict_step(
                          f"{prefill_tokens_per_step!r} after {prefill_context_tokens!r}")
     arch, tp = setup.architecture, setup.tensor_parallel
     decode_tokens = float(sum(group.count for group in groups))
-    tokens_in_step = decode_tokens + prefill_tokens_per_step
-    weights = weight_read_bytes(arch, setup.weight_bytes_per_param, tokens_in_step, tp)
+    weights, weight_memory_seconds, gemm_compute_seconds = _gemm_phase(setup, decode_tokens + prefill_tokens_per_step)
     kv = sum(
         group.count * kv_bytes_for_context(arch, group.context_tokens, setup.kv_bytes_per_element, tp)
         for group in groups
@@ -432,20 +431,28 @@ def predict_step(
     attended = sum(group.count * _attended_tokens(arch, group.context_tokens) for group in groups)
     if prefill_context_tokens is not None:
         attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
-    compute = setup.effective_compute_flops_per_second
     return StepPrediction(
         tokens_in_flight=float(sum(group.tokens for group in groups)),
         decode_tokens=decode_tokens,
         prefill_tokens=float(prefill_tokens_per_step),
         weight_read_bytes=weights,
         kv_read_bytes=kv,
-        weight_memory_seconds=weights / setup.effective_bandwidth_bytes_per_second,
+        weight_memory_seconds=weight_memory_seconds,
         kv_memory_seconds=kv / setup.effective_bandwidth_bytes_per_second,
-        gemm_compute_seconds=gemm_flops(arch, tokens_in_step, tp) / compute,
-        attention_compute_seconds=attention_flops(arch, attended, tp) / compute,
+        gemm_compute_seconds=gemm_compute_seconds,
+        attention_compute_seconds=attention_flops(arch, attended, tp) / setup.effective_compute_flops_per_second,
         overhead_seconds=setup.step_overhead_seconds,
         per_request_seconds=setup.per_request_seconds * decode_tokens,
     )
+
+
+def _gemm_phase(setup: ServingSetup, tokens_in_step: float) -> tuple[float, float, float]:
+    """(weight bytes read, their memory seconds, GEMM compute seconds) of a step of `tokens_in_step` tokens:
+    the one phase a step's prefill tokens change when their context is not known."""
+    arch, tp = setup.architecture, setup.tensor_parallel
+    weights = weight_read_bytes(arch, setup.weight_bytes_per_param, tokens_in_step, tp)
+    return (weights, weights / setup.effective_bandwidth_bytes_per_second,
+            gemm_flops(arch, tokens_in_step, tp) / setup.effective_compute_flops_per_second)
 
 
 def predict_mean_step(
@@ -457,10 +464,14 @@ def predict_mean_step(
     few steps carrying big prefill chunks cost more than the same tokens spread evenly over every
     step. The mean of the steps is the mean ITL a server shows, not the step at the mean prefill.
     """
+    decode = predict_step(setup, groups)
     total_share = sum(share for _, share in prefill_mix)
     if not prefill_mix or total_share <= 0:
-        return predict_step(setup, groups).step_seconds
-    return sum(predict_step(setup, groups, tokens).step_seconds * share
+        return decode.step_seconds
+    # Prefill tokens of unknown context change only the GEMM phase: the rest of the step is computed
+    # once (this runs on every reading, over every bucket of the window's mix).
+    rest = decode.step_seconds - decode.gemm_seconds
+    return sum((rest + max(_gemm_phase(setup, decode.decode_tokens + tokens)[1:])) * share
                for tokens, share in prefill_mix) / total_share
 
 
