@@ -781,6 +781,11 @@ class CalibrationPoint:
         return self.read_bytes / self.itl_seconds
 
 
+def residual_ratios(points: Sequence[CalibrationPoint], fitted_seconds: Sequence[float]) -> tuple[float, ...]:
+    """(fitted - measured) / measured, point by point."""
+    return tuple((fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(points, fitted_seconds, strict=True))
+
+
 AGREEMENT_ON_BANDWIDTHS, AGREEMENT_ON_FIT_RESIDUALS = "bandwidths", "fit_residuals"
 AGREEMENT_ON_WINDOW_RESIDUALS = "window_residuals_p90"  # online fits: many windows, a few may be outliers
 
@@ -810,8 +815,7 @@ class Calibration:
 
     @property
     def residual_ratios(self) -> tuple[float, ...]:
-        return tuple((fit - p.itl_seconds) / p.itl_seconds
-                     for p, fit in zip(self.points, self.fitted_seconds, strict=True))
+        return residual_ratios(self.points, self.fitted_seconds)
 
     @property
     def residual_rms_seconds(self) -> float:
@@ -843,7 +847,6 @@ class FitBounds:
 
     def upper(self, term: str) -> float:
         return self.max_step_overhead_seconds if term == _OVERHEAD else self.max_per_request_seconds
-
 
 
 DEFAULT_FIT_BOUNDS = FitBounds()
@@ -896,7 +899,7 @@ def calibrate(points: Iterable[CalibrationPoint], tolerance: float = AGREEMENT_T
     basis = AGREEMENT_ON_BANDWIDTHS
     if len({p.running_requests for p in points}) >= 2:
         basis = AGREEMENT_ON_FIT_RESIDUALS
-        spread = max(abs(fit - p.itl_seconds) / p.itl_seconds for p, fit in zip(points, fitted_seconds, strict=True))
+        spread = max(abs(ratio) for ratio in residual_ratios(points, fitted_seconds))
     return Calibration(
         effective_bandwidth_bytes_per_second=1.0 / coefficients["inverse_bandwidth"],
         step_overhead_seconds=coefficients.get(_OVERHEAD, 0.0),
