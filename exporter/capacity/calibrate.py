@@ -426,5 +426,3 @@ def report(args: argparse.Namespace, resolved: ResolvedSetup, calibration: Calib
     if not calibration.agrees:
         raise InputError(disagreement_message(calibration))
     return 0
-
-

@@ -1088,10 +1088,5 @@ def calibration_point(setup: ServingSetup, itl_seconds: float, tokens_in_flight:
     `tokens_in_flight` is shared by `running_requests` equal requests (one stream: its context)."""
     step = predict_step(setup, groups_from_total(tokens_in_flight, running_requests))
     return CalibrationPoint(itl_seconds, tokens_in_flight, step.read_bytes, max(1.0, running_requests),
-                            step.weight_read_bytes,
-                            step.gemm_compute_seconds * setup.effective_compute_flops_per_second)
-
-
-def single_stream_read_bytes(setup: ServingSetup, context_tokens: float) -> float:
-    """Bytes one step of a lone stream reads: what calibration divides by the measured gap."""
-    return predict_step(setup, [RequestGroup(1, context_tokens)]).read_bytes
+                            step.weight_read_bytes, gemm_flops(setup.architecture, step.tokens_in_step,
+                                                               setup.tensor_parallel))
