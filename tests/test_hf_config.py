@@ -185,7 +185,24 @@ def test_an_awq_checkpoint_reads_4_bit_matrices_and_16_bit_embeddings_and_norms(
         model.weight_bytes(arch, 0.5) - vocab * hidden * 2 + hidden * 2)
 
 
-def test_fp8_and_unquantized_checkpoints() -> None:
+def test_an_unquantized_checkpoint_reads_16_bit_weights() -> None:
     arch = load_hf_config(config("Llama-3.1-8B"))
     assert arch.checkpoint_weight_dtype is None
     assert build_setup(arch, "h100-sxm").setup.weight_bytes_per_param == 2.0
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [
+    ({"quant_method": "fp8"}, "fp8"),
+    ({"quant_method": "fbgemm_fp8"}, "fp8"),
+    ({"quant_method": "gptq", "bits": 8}, "int8"),
+    ({"quant_method": "awq", "w_bit": 4}, "int4"),  # AutoAWQ's spelling of bits
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, None),  # the width is in its groups: unknown
+    ({"quant_method": "bitsandbytes"}, None),
+])
+def test_the_checkpoint_dtype_comes_from_the_method_or_its_bits(
+        tmp_path: Path, quantization: dict[str, object], dtype: str | None) -> None:
+    raw = json.loads(Path(config("Llama-3.1-8B")).read_text())
+    raw["quantization_config"] = quantization
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    assert load_hf_config(str(path)).checkpoint_weight_dtype == dtype

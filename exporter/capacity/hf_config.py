@@ -181,9 +181,9 @@ def _llama_like(config: _Config, name: str) -> Architecture:
     )
 
 
-# quantization_config.quant_method -> the weight dtype vLLM loads; `bits` decides for the
-# integer methods (AWQ and GPTQ are 4-bit unless the config says 8).
-_QUANT_METHOD_DTYPES = {"fp8": "fp8", "fbgemm_fp8": "fp8", "compressed-tensors": None, "bitsandbytes": None}
+# quantization_config.quant_method -> the weight dtype vLLM loads, for methods whose name says it;
+# for the others (AWQ, GPTQ, compressed-tensors, bitsandbytes) `bits` decides, when it is given.
+_QUANT_METHOD_DTYPES = {"fp8": "fp8", "fbgemm_fp8": "fp8"}
 
 
 def checkpoint_weight_dtype(config: _Config) -> str | None:
@@ -194,7 +194,7 @@ def checkpoint_weight_dtype(config: _Config) -> str | None:
         return None
     method = str(quantization.get("quant_method", "")).lower()
     bits = quantization.get("bits", quantization.get("w_bit"))
-    if _QUANT_METHOD_DTYPES.get(method):
+    if method in _QUANT_METHOD_DTYPES:
         return _QUANT_METHOD_DTYPES[method]
     if bits in (4, 8):
         return "int4" if bits == 4 else "int8"
