@@ -251,6 +251,12 @@ def test_a_per_request_cost_past_its_bound_is_not_fitted(capsys: pytest.CaptureF
     out = json.loads(captured.out)
     assert out["per_request_seconds"] is None
     assert any("bound" in note for note in out["notes"])
-    # Without it the bandwidth alone misses the points by far more than 15%: refused, saying so.
-    assert out["agrees"] is False and out["spread_ratio"] == max(abs(p["residual_ratio"]) for p in out["points"])
-    assert "the fitted terms miss the points by at most" in captured.err and "more than 15%" in captured.err
+    # Without it the bandwidth alone (least squares through the origin) misses the points by far
+    # more than 15%: refused, saying so.
+    kv, weights = 2 * 36 * 8 * 128 * 2, 8.19e9 * 2
+    a1, a2 = weights + 2000 * kv, weights + 32000 * kv
+    inverse_bandwidth = (a1 * 0.009 + a2 * 0.024) / (a1 ** 2 + a2 ** 2)
+    worst_miss = max(abs(a * inverse_bandwidth - t) / t for a, t in ((a1, 0.009), (a2, 0.024)))
+    assert out["agrees"] is False and out["spread_ratio"] == pytest.approx(worst_miss, rel=1e-6)
+    assert f"the fitted terms miss the points by at most {worst_miss:.1%}" in captured.err
+    assert "more than 15%" in captured.err
