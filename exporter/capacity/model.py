@@ -945,13 +945,18 @@ def _column(point: CalibrationPoint, term: str) -> float:
     return 1.0 if term == _OVERHEAD else point.running_requests
 
 
+def _design_rows(points: tuple[CalibrationPoint, ...], terms: list[str]) -> list[list[float]]:
+    """One least-squares row per point: its bytes (for 1/bandwidth), then one column per extra term."""
+    return [[p.read_bytes] + [_column(p, term) for term in terms] for p in points]
+
+
 def _fit_non_negative(points: tuple[CalibrationPoint, ...], terms: list[str], notes: list[str],
                       inverse_compute: float, bounds: FitBounds = DEFAULT_FIT_BOUNDS) -> dict[str, float]:
     """Least squares over bandwidth and `terms`; a term fitted negative or past its bound is dropped
     (noted) and the rest refitted; a bandwidth past the peak drops the last term, or is held at the peak."""
     active = list(terms)
     while True:
-        rows = [[p.read_bytes] + [_column(p, term) for term in active] for p in points]
+        rows = _design_rows(points, active)
         try:
             solution = _least_squares(rows, [p.itl_seconds for p in points])
             for _ in range(4 if inverse_compute else 0):  # compute-bound points depend on the bandwidth
@@ -1023,6 +1028,7 @@ def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_
         return 0.0
     baseline = _squared_residuals(points, memory_fit, 0.0)
     best, best_residuals = 0.0, baseline * (1.0 - _COMPUTE_MIN_IMPROVEMENT)
+    rows = _design_rows(points, terms)
     for flops in _COMPUTE_GRID_FLOPS:
         if flops > bounds.max_compute_flops_per_second:
             break
@@ -1030,7 +1036,6 @@ def _fit_compute(points: tuple[CalibrationPoint, ...], terms: list[str], memory_
         coefficients = {"inverse_bandwidth": memory_fit["inverse_bandwidth"]}
         for _ in range(3):  # which points are compute-bound depends on the bandwidth, and back
             excess = [_compute_excess_seconds(p, inverse_compute, coefficients["inverse_bandwidth"]) for p in points]
-            rows = [[p.read_bytes] + [_column(p, term) for term in terms] for p in points]
             try:
                 solution = _least_squares(rows, [p.itl_seconds - e for p, e in zip(points, excess, strict=True)])
             except InputError:
