@@ -3,6 +3,7 @@ per-token observations, determinism, scenarios and the `simulate` verb's bad inp
 
 from __future__ import annotations
 
+import argparse
 import ast
 import itertools
 import math
@@ -194,6 +195,23 @@ def test_yaml_scenario_loads() -> None:
 def test_bad_scenarios_name_what_and_where(document: dict, message: str) -> None:
     with pytest.raises(InputError, match=message):
         scenario_from_dict(document, where="s.yaml")
+
+
+def test_the_simulate_flags_override_the_scenario_settings_and_the_settings_override_the_spec() -> None:
+    from exporter.simulator.cli import build_parser, scenario_from_args, spec_from_args
+
+    def simulator(*argv: str) -> Simulator:
+        parser = argparse.ArgumentParser()
+        build_parser(parser)
+        args = parser.parse_args(["--scenario", "agents-cached", *argv])
+        return Simulator(spec_from_args(args), scenario_from_args(args))
+
+    spec = simulator().spec  # agents-cached asks for the 0.33 page and nothing else
+    assert (spec.vllm_version, spec.data_parallel_size, spec.kv_cache_dtype, spec.enable_prefix_caching) == (
+        "0.33", 1, "auto", True)
+    spec = simulator("--vllm-version", "0.23", "--data-parallel-size", "2", "--no-enable-prefix-caching").spec
+    assert (spec.vllm_version, spec.data_parallel_size, spec.kv_cache_dtype, spec.enable_prefix_caching) == (
+        "0.23", 2, "auto", False)
 
 
 def _stepbudget(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
