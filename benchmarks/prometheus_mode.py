@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -34,11 +33,10 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.scale import free_port, machine
+from benchmarks.scale import free_port, machine, process_cpu_seconds
 
 RESULTS = REPO / "benchmarks" / "results"
 SCRAPE_SECONDS = 15.0
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -115,11 +113,6 @@ def wait_ready(base: str, timeout: float = 600.0) -> float:
             pass
         time.sleep(0.2)
     raise RuntimeError("prometheus not ready")
-
-
-def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def process_rss_mib(pid: int) -> float:

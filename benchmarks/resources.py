@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,16 +29,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.fleet import address_of
-from benchmarks.scale import start_fleet, stop
+from benchmarks.scale import free_port, process_cpu_seconds, start_fleet, stop
 
 RESULTS = REPO / "benchmarks" / "results"
 INTERVAL_SECONDS = 15.0
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -48,15 +41,9 @@ def _status_kib(pid: int, key: str) -> int:
     return int(line.split()[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def measure(count: int, cycles: int) -> dict:
     fleet, fleet_port = start_fleet(count)
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as scratch:
         config = Path(scratch) / "config.yaml"
         config.write_text(yaml.safe_dump({
@@ -78,12 +65,12 @@ def measure(count: int, cycles: int) -> dict:
                     pass
                 time.sleep(0.5)
             time.sleep(INTERVAL_SECONDS)  # the warm-up poll is done: connections open, pages parsed once
-            start_cpu, start = _cpu_seconds(daemon.pid), time.monotonic()
+            start_cpu, start = process_cpu_seconds(daemon.pid), time.monotonic()
             metrics_bytes = 0
             for _ in range(cycles):
                 metrics_bytes = len(requests.get(url, timeout=30).content)
                 time.sleep(INTERVAL_SECONDS)
-            cpu, wall = _cpu_seconds(daemon.pid) - start_cpu, time.monotonic() - start
+            cpu, wall = process_cpu_seconds(daemon.pid) - start_cpu, time.monotonic() - start
             up = requests.get(url, timeout=30).text.count("stepbudget_target_up{")
             return {
                 "targets": count, "targets_up_series": up, "cycles": cycles,

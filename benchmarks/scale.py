@@ -109,6 +109,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (utime + stime from /proc), all its threads: what the
+    benchmarks weigh the daemon and Prometheus by."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Prometheus:
     """A real Prometheus scraping the fleet every INTERVAL_SECONDS, on 127.0.0.1, temp storage."""
 
@@ -138,8 +145,7 @@ class Prometheus:
             time.sleep(0.2)
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.process.pid)
 
     def query(self, expression: str) -> float | None:
         answer = requests.get(f"{self.url}/api/v1/query", params={"query": expression}, timeout=10).json()

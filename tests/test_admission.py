@@ -295,6 +295,7 @@ def test_the_api_admits_refuses_with_retry_after_and_releases() -> None:
     assert ok.body["lease_seconds"] == pytest.approx(FLOOR + FACTOR * 2000 / CHAT_TPS)
     refused = post(api, {"pool": "short", "prompt_tokens": 2000, "max_output_tokens": 1000})
     assert refused.status == 429 and refused.body["decision"] == "refused"
+    assert refused.body["retry_after_seconds"] == POLL  # polled just now: the next poll is a whole interval away
     assert dict(refused.headers)["Retry-After"] == str(refused.body["retry_after_seconds"])
     assert refused.body["long_context_pool"] == "agents"
     redirected = post(api, {"pool": "short", "prompt_tokens": 40_000, "max_output_tokens": 1000})

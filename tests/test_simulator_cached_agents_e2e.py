@@ -21,7 +21,6 @@ steady state, and are not held to the 10%.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ from exporter.serve.reading import Reading
 from exporter.simulator import ServerHandle, ServerSpec, load_scenario, start_server
 from tests.support.clocks import ManualClock
 from tests.support.pollers import MakePoller
-from tests.support.simulator import simulated_calibration
+from tests.support.simulator import simulated_calibration, true_mean_step_seconds
 
 POLL_SECONDS = 15.0
 POLLS = 40  # 10 simulated minutes: twice the alert's `for`
@@ -86,10 +85,9 @@ def _run(server: ServerHandle, make_poller: MakePoller) -> tuple[list[Poll], Con
         (reading,) = poller.poll_once().readings
         steps = simulator.steps[seen_steps:]
         seen_steps = len(simulator.steps)
-        observations = [s.seconds for s in steps for _ in range(s.decode_tokens)]
         decoding = sum(1 for r in simulator.running if r.group == "agent" and r.output_tokens > 0)
         firing = any(alert["alertname"] == PAGE_ALERT for alert in alerts.firing())
-        polls.append(Poll(t, reading, statistics.fmean(observations) if observations else None, decoding, firing))
+        polls.append(Poll(t, reading, true_mean_step_seconds(steps), decoding, firing))
     return polls, config
 
 

@@ -82,6 +82,8 @@ def test_page_values_are_the_engines_counts() -> None:
 
 @pytest.mark.parametrize("version, usage_name, itl_name, engine_label", [
     ("latest", "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds", True),
+    ("0.33", "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds", True),
+    ("0.23", "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds", True),
     ("0.11", "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds", True),
     ("0.10", "vllm:kv_cache_usage_perc", "vllm:time_per_output_token_seconds", True),
     ("0.8", "vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds", False),

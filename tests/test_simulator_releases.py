@@ -1,8 +1,9 @@
 """The simulator's vLLM 0.33/0.23 pages: prefix-cache accounting as vLLM 0.33.0 does it,
 data-parallel engines on one page, and the release lines' differences.
 
-Counts are worked out by hand from the inputs (block size 16, token budget 2,048 per step); the
-structure is diffed against a genuine vLLM 0.33.0 page (tests/data/vllm_reference/README.md).
+Counts are worked out by hand from the inputs (block size 16, token budget 2,048 per step); each
+release line's structure is diffed against a page rendered by that vLLM release's own metrics code
+(tests/data/genuine/, provenance in PROVENANCE.md there).
 """
 
 from __future__ import annotations
@@ -17,7 +18,20 @@ from exporter.serve.engines import read_page
 from exporter.simulator import ServerSpec, Simulator, load_scenario, scenario_from_dict
 from tests.support.simulator import blocks_by_hand, step, structure
 
-GENUINE = Path(__file__).parent / "data" / "vllm_reference" / "vllm-0.33.0_GENUINE_dp2_t1.prom"
+GENUINE = Path(__file__).parent / "data" / "genuine"
+GENUINE_PAGES = {"0.33": GENUINE / "vllm-0.33.0_GENUINE_dp2_t1.prom",
+                 "0.23": GENUINE / "vllm-0.23.0_GENUINE_dp2_t1.prom"}
+# Families of the genuine pages the simulator does not serve: nothing it models stands behind them
+# (admission control, sleep mode, FLOP and byte estimates, external KV transfer, the multimodal
+# cache, request parameters, per-phase request times).
+NOT_SIMULATED = {
+    "vllm:admission_rejections_total", "vllm:engine_sleep_state", "vllm:estimated_flops_per_gpu_total",
+    "vllm:estimated_read_bytes_per_gpu_total", "vllm:estimated_write_bytes_per_gpu_total",
+    "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total", "vllm:mm_cache_hits_total",
+    "vllm:mm_cache_queries_total", "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+    "vllm:request_max_num_generation_tokens", "vllm:request_params_max_tokens", "vllm:request_params_n",
+    "vllm:request_prefill_time_seconds",
+}
 Values = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -208,18 +222,24 @@ def _emitted(version: str) -> dict[str, tuple[str, str, frozenset[str], tuple[st
             if name.startswith("vllm:") and not name.endswith("_created")}
 
 
-def test_the_0_33_page_has_the_genuine_pages_families_types_labels_and_buckets() -> None:
-    genuine = structure(GENUINE.read_text())
-    ours = _emitted("0.33")
+@pytest.mark.parametrize("version", sorted(GENUINE_PAGES))
+def test_each_release_page_has_the_genuine_pages_families_types_labels_and_buckets(version: str) -> None:
+    page = GENUINE_PAGES[version].read_text()
+    genuine = structure(page)
+    ours = _emitted(version)
     assert {"vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total",
-            "vllm:prompt_tokens_cached_by_source_total", "vllm:prefix_cache_hits_total",
-            "vllm:iteration_tokens_total", "vllm:request_prefill_kv_computed_tokens"} <= set(ours)
+            "vllm:prefix_cache_hits_total", "vllm:iteration_tokens_total",
+            "vllm:request_prefill_kv_computed_tokens"} <= set(ours)
+    if version == "0.33":
+        assert "vllm:prompt_tokens_cached_by_source_total" in ours
+    genuine_vllm = {name for name in genuine if name.startswith("vllm:") and not name.endswith("_created")}
+    assert genuine_vllm - set(ours) == NOT_SIMULATED & genuine_vllm, "genuine families lost beyond NOT_SIMULATED"
     for name, shape in ours.items():
         if name == "vllm:cache_config_info":
             continue
+        assert name in genuine, f"vLLM {version} has no family {name}"
         assert shape == genuine[name], name
-    (genuine_info,) = [f for f in text_string_to_metric_families(GENUINE.read_text())
-                       if f.name == "vllm:cache_config_info"]
+    (genuine_info,) = [f for f in text_string_to_metric_families(page) if f.name == "vllm:cache_config_info"]
     assert ours["vllm:cache_config_info"][2] == frozenset(genuine_info.samples[0].labels)
 
 

@@ -25,7 +25,7 @@ from exporter.serve.config import Deployment, config_from_mapping
 from exporter.serve.reading import Reading
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, Simulator, load_scenario
 from tests.support.simulated_polls import simulated_polls
-from tests.support.simulator import SPEC, simulated_calibration
+from tests.support.simulator import SPEC, simulated_calibration, true_mean_step_seconds
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15
@@ -57,12 +57,10 @@ def _run(scenario: str, until_seconds: float) -> tuple[tuple[Poll, ...], Deploym
     polls: list[Poll] = []
     for poll in simulated_polls(sim, deployment, POLL_SECONDS, until_seconds):
         t, steps = poll.seconds, poll.steps
-        observations = [s.seconds for s in steps for _ in range(s.decode_tokens)]
         agents = [r for r in sim.running if r.group == "agent"]
         agent_prefill = any(s.prefill_tokens > 2048 // 2 for s in steps) and scenario == "agents-join" and (
             AGENTS_JOIN_SECONDS <= t < AGENTS_JOIN_SECONDS + 2 * POLL_SECONDS)
-        polls.append(Poll(t, poll.reading, statistics.fmean(observations) if observations else None, len(agents),
-                          agent_prefill))
+        polls.append(Poll(t, poll.reading, true_mean_step_seconds(steps), len(agents), agent_prefill))
     return tuple(polls), deployment
 
 

@@ -7,7 +7,7 @@ import hmac
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from exporter.admission.book import (
     MAX_REQUEST_TOKENS,
@@ -17,9 +17,6 @@ from exporter.admission.book import (
 )
 from exporter.errors import InputError
 from exporter.suggest import close_names
-
-if TYPE_CHECKING:
-    pass
 
 # --- the HTTP API: POST /v1/admission, POST /v1/release ------------------------------------------
 

@@ -10,13 +10,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from exporter.errors import InputError
 from exporter.suggest import close_names
-
-if TYPE_CHECKING:
-    pass
 
 DECISIONS = ("admitted", "refused", "redirected")
 POOL_NAMES = ("short", "long", "auto")
@@ -401,8 +398,6 @@ class AdmissionBook:
         self._decisions[key] = self._decisions.get(key, 0) + 1
         self._version += 1
         return decision
-
-
 
 
 # --- the daemon's poll: readings -> measurements ------------------------------------------------

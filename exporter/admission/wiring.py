@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from exporter.admission.api import AdmissionApi, ApiResponse, read_token_file
 from exporter.admission.book import (
@@ -15,10 +15,13 @@ from exporter.admission.book import (
 )
 from exporter.admission.metrics import AdmissionCollector
 from exporter.admission.sections import pools_from_config
+from exporter.serve.server import Handler, Request, Response
 
 if TYPE_CHECKING:
     from exporter.serve.config import Config
     from exporter.serve.daemon import Daemon
+    from exporter.serve.poller import Poller
+
 
 def admission_enabled(config: Config) -> bool:
     """Whether the config turns the admission API on (`admission.enabled`)."""
@@ -44,7 +47,7 @@ def book_from_config(config: Config, *, clock: Callable[[], float] = time.monoto
     )
 
 
-def sync_at_every_poll(book: AdmissionBook, poller: Any) -> None:
+def sync_at_every_poll(book: AdmissionBook, poller: Poller) -> None:
     """Feed each of the poller's results to the book: reconcile, suspend, forget (`AdmissionBook.sync`)."""
     poller.add_listener(lambda result: book.sync(*measurements_from_readings(result.readings)))
 
@@ -57,16 +60,12 @@ def install(daemon: Daemon) -> AdmissionApi | None:
     API, reconcile at every poll and export the admission metrics on the daemon's registry. Off by
     default: nothing is added. Returns the installed API (its `book` is the live state), for tests
     and embedders."""
-    from exporter.serve.server import (
-        Response,  # the HTTP server's types, paid for only when admission is on
-    )
-
     api = api_from_config(daemon.config)
     if api is None:
         return None
 
-    def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Callable[[Any], Any]:
-        def handle(request: Any) -> Any:
+    def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Handler:
+        def handle(request: Request) -> Response:
             answer = handler(request.headers, request.body)
             return Response(answer.status, answer.encoded(), "application/json", dict(answer.headers))
 

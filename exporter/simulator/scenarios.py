@@ -94,13 +94,15 @@ class ScenarioSettings:
     kv_cache_dtype: str | None = None
     enable_prefix_caching: bool | None = None
 
+    def given(self) -> dict[str, Any]:
+        """The settings this one sets (the others keep whatever they are laid over)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
     def applied_to(self, spec: Spec) -> Spec:
-        changes = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        return replace(spec, **changes)
+        return replace(spec, **self.given())
 
     def overridden_by(self, other: ScenarioSettings) -> ScenarioSettings:
-        return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
-                                if getattr(other, f.name) is not None})
+        return replace(self, **other.given())
 
 
 @dataclass(frozen=True)

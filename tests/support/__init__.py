@@ -4,7 +4,8 @@
 - servers: free_port, wait_until, send_text, PageServer (a real HTTP server on 127.0.0.1)
 - configs: write (a config file for a test), MINIMAL (the smallest valid config), make_config (one vLLM target)
 - pages: VllmState and vllm_page, a vLLM V1 /metrics page builder
-- simulator: the simulated engine worked by hand (blocks_by_hand, step), its page's structure, its calibration
+- simulator: the simulated engine worked by hand (blocks_by_hand, step), its ground-truth step over a window
+  (true_mean_step_seconds), its page's structure, its calibration
 - pollers: MakePoller, the type of the `make_poller` fixture, and scrape (what the collector exports from its readings)
 - alertmanager: Alertmanager (a client of a real one) and its config
 - admission: daemon_with_admission, a running daemon with admission on (its HTTP API and the ASGI gateway)

@@ -1,11 +1,14 @@
 """The simulated engine worked by hand, for the simulator's test modules: its KV blocks as vLLM sizes
-them, stepping it one event at a time, a /metrics page's structure to diff against vLLM's, and what
-`calibrate --url` measures on it (`simulated_calibration`, of the server `SPEC`)."""
+them, stepping it one event at a time, its ground-truth step over a poll window, a /metrics page's
+structure to diff against vLLM's, and what `calibrate --url` measures on it (`simulated_calibration`,
+of the server `SPEC`)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import statistics
+from collections.abc import Sequence
 from functools import lru_cache
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.capacity import calibrate, model
 from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.capacity.presets import GPUS, MODELS
-from exporter.simulator import ServerSpec, Simulator
+from exporter.simulator import ServerSpec, Simulator, StepRecord
 from exporter.simulator.engine import single_stream_token_seconds
 
 QWEN = MODELS["qwen3-8b"]
@@ -33,6 +36,14 @@ def step(sim: Simulator) -> None:
     next_event = sim.next_event_seconds()
     assert next_event is not None
     sim.run_until(next_event)
+
+
+def true_mean_step_seconds(steps: Sequence[StepRecord]) -> float | None:
+    """The simulator's ground truth for a poll window: the mean of its ITL observations, one per
+    decoding request per step, each the step's duration (None: nothing decoded in the window).
+    The mean, not the median: the daemon predicts the window's mean step (DESIGN §2)."""
+    observations = [s.seconds for s in steps for _ in range(s.decode_tokens)]
+    return statistics.fmean(observations) if observations else None
 
 
 Structure = dict[str, tuple[str, str, frozenset[str], tuple[str, ...]]]
