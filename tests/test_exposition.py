@@ -195,7 +195,6 @@ def _cold_scan(text: str, wanted: frozenset[str]) -> tuple[object, ...]:
 
     remember = exposition._remember
     exposition._HEADS.clear()
-    exposition._LABEL_SETS.clear()
     exposition._remember = lambda *args: None
     try:
         return _scan_facts(scan_page(text, wanted))
