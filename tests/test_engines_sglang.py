@@ -9,6 +9,7 @@ import pytest
 from exporter.serve.engines import PageError, read_page
 
 DATA = Path(__file__).parent / "data" / "sglang"
+GENUINE = Path(__file__).parent / "data" / "genuine"  # pages rendered by SGLang's own metrics code
 
 LABELS_DP0 = 'dp_rank="0",engine_type="unified",model_name="ds",pp_rank="0",tp_rank="0"'
 LABELS_DP1 = 'dp_rank="1",engine_type="unified",model_name="ds",pp_rank="0",tp_rank="1"'
@@ -84,6 +85,7 @@ def test_dp_ranks_are_engines_and_server_wide_families_apply_to_each() -> None:
         assert itl.buckets == ((0.02, 40.0), (0.04, 90.0), (float("inf"), 100.0))
         assert (itl.count, itl.sum) == (100.0, 2.5)
         assert snap.prompt_tokens_total == 9000.0
+        assert snap.server_wide == ("generation_tokens_total", "inter_token_latency", "prompt_tokens_total")
 
 
 def test_priority_breakdowns_are_skipped_for_totals() -> None:
@@ -108,3 +110,37 @@ def test_tensor_parallel_copies_take_the_largest_and_say_so() -> None:
 
 def test_kind_sglang_forced_and_auto_agree() -> None:
     assert read_page(DP_PAGE, "sglang") == read_page(DP_PAGE)
+
+
+def test_genuine_priority_page_takes_the_total_and_sums_the_shares() -> None:
+    """SGLang 0.5.23 with priority scheduling: scheduler gauges carry priority="" (the total) beside
+    each priority's share; tokenizer-side counters and the ITL histogram carry only each request's own
+    priority (and is_streaming), so there the series are shares and are summed."""
+    page = (GENUINE / "sglang-0.5.23_GENUINE_multiprocess_dp1_priority_t1.prom").read_text()
+    (snap,) = read_page(page).snapshots
+    # num_running_reqs{priority=""} 40.0 beside priority="0" 30.0 and priority="10" 10.0
+    assert snap.requests_running == 40.0  # the total, not max(30, 10) nor 40 + 30 + 10
+    # num_queue_reqs{priority=""} 3.0 beside priority="0" 3.0 and priority="10" 0.0
+    assert snap.requests_waiting == 3.0  # not 3 + 3 + 0
+    # prompt_tokens_total: four shares, is_streaming x priority (the fed total: 281,209)
+    assert snap.prompt_tokens_total == 36248.0 + 131515.0 + 84349.0 + 29097.0 == 281209
+    assert snap.generation_tokens_total == 3000.0 + 10150.0 + 4850.0 + 2200.0 == 20200
+    itl = snap.inter_token_latency  # inter_token_latency_seconds_count{priority="10"} 4540, {priority="0"} 13855
+    assert itl is not None and itl.count == 4540.0 + 13855.0 == 18395
+    assert snap.server_wide == ()  # one rank: the tokenizer's figures are this engine's own
+
+
+def test_genuine_dp_page_a_rank_before_its_first_retraction_reads_zero() -> None:
+    page = (GENUINE / "sglang-0.5.23_GENUINE_multiprocess_dp2_t0.prom").read_text()
+    # SGLang creates the counter at a rank's first retraction: only rank 0 has retracted by t0.
+    assert 'sglang:num_retracted_requests_total{dp_rank="0",' in page
+    assert 'sglang:num_retracted_requests_total{dp_rank="1",' not in page
+    snaps = {s.engine: s for s in read_page(page).snapshots}
+    assert sorted(snaps) == ["0", "1"]
+    assert (snaps["0"].preemptions_total, snaps["1"].preemptions_total) == (2.0, 0.0)
+    assert not any(m.startswith("preemptions_total") for m in snaps["1"].missing)
+    for snap in snaps.values():
+        assert snap.block_size_tokens == 1 and isinstance(snap.block_size_tokens, int)  # page_size 1.0
+        # The tokenizer's families carry no dp_rank: one server-wide figure, flagged on every rank.
+        assert snap.server_wide == ("generation_tokens_total", "inter_token_latency", "prompt_tokens_total")
+        assert snap.prompt_tokens_total == 64994.0 + 109916.0  # is_streaming "false" + "true"

@@ -192,3 +192,44 @@ def test_kind_vllm_on_a_non_vllm_page_is_a_page_error() -> None:
     with pytest.raises(PageError) as caught:
         read_page('sglang:num_running_reqs{model_name="m"} 1\n', kind="vllm")
     assert caught.value.reason == "no vllm metrics"
+
+
+GENUINE = Path(__file__).parent / "data" / "genuine"  # pages rendered by vLLM's own metrics code
+
+
+@pytest.mark.parametrize("name", ["vllm-0.23.0_GENUINE_dp2_t1.prom", "vllm-0.33.0_GENUINE_dp2_t1.prom"])
+def test_genuine_data_parallel_page_gives_each_engine_its_own_blocks(name: str) -> None:
+    page = (GENUINE / name).read_text()
+    # The front end's sum over both engines' 23,574 blocks, written on each engine's series.
+    assert page.count('num_gpu_blocks="47148"') == 2
+    snaps = {s.engine: s for s in read_page(page).snapshots}
+    assert sorted(snaps) == ["0", "1"]
+    for snap in snaps.values():
+        assert snap.kv_cache_blocks == 47148 / 2
+        assert snap.kv_cache_capacity_tokens == 47148 / 2 * 16  # not 47,148 x 16
+        assert snap.block_size_tokens == 16
+
+
+def test_genuine_page_block_size_is_the_full_attention_groups_where_it_says() -> None:
+    # vLLM 0.33.0 writes effective_attention_block_size="None" for a model with one KV group.
+    page = (GENUINE / "vllm-0.33.0_GENUINE_dp1_t1.prom").read_text()
+    assert 'block_size="16"' in page and 'effective_attention_block_size="None"' in page
+    snap = only(page)
+    assert snap.block_size_tokens == 16
+    assert (snap.kv_cache_dtype, snap.kv_cache_blocks) == ("auto", 23574.0)  # cache_dtype="auto", num_gpu_blocks
+    # A hybrid model's page names its full-attention group's block size there (0.33.0
+    # vllm/v1/engine/core.py l. 418-431), while block_size is the smallest group's (l. 347): it wins.
+    hybrid = only(page.replace('effective_attention_block_size="None"', 'effective_attention_block_size="64"'))
+    assert hybrid.block_size_tokens == 64
+    assert hybrid.kv_cache_capacity_tokens == 377184.0  # kv_cache_size_tokens="377184", group-aware
+
+
+def test_genuine_prefix_cache_page_computed_and_cached_prompt_tokens() -> None:
+    snap = only((GENUINE / "vllm-0.33.0_GENUINE_prefix_cache_dp1_t1.prom").read_text())
+    assert snap.prompt_tokens_total == 751189.0  # vllm:prompt_tokens_total: cache hits included
+    # vllm:prompt_tokens_by_source_total{source="local_compute"} 240181.0, beside local_cache_hit
+    # 511008.0 and external_kv_transfer 0.0: only the computed source, not their sum.
+    assert snap.prompt_tokens_computed_total == 240181.0
+    assert snap.prompt_tokens_cached_total == 511008.0  # vllm:prompt_tokens_cached_total
+    steps = snap.iteration_tokens  # vllm:iteration_tokens_total, its _count the engine steps
+    assert steps is not None and steps.count == snap.engine_steps_total == 60.0

@@ -26,8 +26,11 @@ from exporter.serve.snapshot import Histogram, Snapshot
 from exporter.serve.window import compute_window
 
 DATA = Path(__file__).resolve().parent / "data"
+# The captures of every era, and the pages the engines' own metrics code rendered (data-parallel
+# engines, SGLang's priority and is_streaming shares, vLLM's summed blocks): the reader's every path.
 CAPTURES = {path.relative_to(DATA).as_posix(): path.read_text(encoding="utf-8")
-            for folder in ("vllm", "sglang", "tgi") for path in sorted((DATA / folder).glob("*.txt"))}
+            for folder, pattern in (("vllm", "*.txt"), ("sglang", "*.txt"), ("tgi", "*.txt"), ("genuine", "*.prom"))
+            for path in sorted((DATA / folder).glob(pattern))}
 KINDS = ("auto", *ADAPTERS)
 # Values a broken or hostile exporter writes where a number belongs.
 BAD_VALUES = ("NaN", "+Inf", "-Inf", "-1", "-0.5", "1e309", "-1e309", "nan", "0x10", "1_000", "", "\"1\"",

@@ -23,6 +23,7 @@ import pytest
 
 from exporter.capacity import model
 from exporter.serve.config import Config, config_from_mapping
+from exporter.serve.engines import read_page
 from exporter.serve.poller import Poller
 from exporter.serve.reading import Reading
 from tests.support.clocks import ManualClock
@@ -56,6 +57,60 @@ def _poll_pair(name: str, page_server: PageServer, clock: ManualClock, make_poll
 
 def _usage(engine: dict[str, Any]) -> float:
     return float(engine.get("kv_cache_usage_ratio_exact", engine.get("kv_cache_usage_ratio")))
+
+
+def _same(read: float | None, fed: float) -> bool:
+    return read is not None and read == pytest.approx(fed, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_every_page_snapshot_holds_each_fed_value(name: str) -> None:
+    """The page reader alone (read_page), at each phase, against every value the engine's code was
+    fed: each adapter rule these pages exercise (totals and partitions, absent counters, the summed
+    num_gpu_blocks, the page's block size and dtype, the computed share of prompt tokens), each
+    checked on a page written by the engine, not by a test."""
+    fed = _expected(name)
+    for phase in fed["phases"]:
+        reading = read_page((GENUINE / phase["page"]).read_text())
+        assert reading.problems == ()
+        snapshots = {snapshot.engine: snapshot for snapshot in reading.snapshots}
+        assert sorted(snapshots) == sorted(phase["engines"])
+        tokenizer = phase.get("tokenizer")  # SGLang: one tokenizer for every rank (server-wide)
+        for engine, values in phase["engines"].items():
+            snap = snapshots[engine]
+            assert (snap.kind, snap.model_name) == (reading.kind, fed["model_name"])
+            checks: dict[str, float | None] = {
+                "requests_running": snap.requests_running, "requests_waiting": snap.requests_waiting,
+                "kv_cache_capacity_tokens": snap.kv_cache_capacity_tokens, "preemptions_total": snap.preemptions_total,
+                "block_size_tokens": snap.block_size_tokens, "tokens_in_flight": snap.tokens_in_flight,
+                "engine_steps_total": snap.engine_steps_total,
+                "prompt_tokens_cached_total": snap.prompt_tokens_cached_total,
+                "prompt_tokens_local_compute_total": snap.prompt_tokens_computed_total,
+                "num_gpu_blocks_per_engine": snap.kv_cache_blocks,
+            }
+            for key, read in checks.items():
+                if key in values:
+                    assert _same(read, values[key]), (phase["page"], engine, key, read, values[key])
+            assert isinstance(snap.block_size_tokens, int)
+            usage = values.get("token_usage_as_exported", values.get("kv_cache_usage_ratio"))
+            assert _same(snap.kv_cache_usage_ratio, usage)
+            counts = tokenizer or values
+            assert _same(snap.prompt_tokens_total, counts["prompt_tokens_total"])
+            assert _same(snap.generation_tokens_total, counts["generation_tokens_total"])
+            itl = snap.inter_token_latency
+            assert itl is not None and _same(itl.count, counts["itl_count"]) and _same(itl.sum, counts["itl_sum"])
+            if reading.kind == "vllm":
+                assert snap.kv_cache_dtype == "auto"
+                # Without cache hits fed, every prompt token was computed locally and none was cached.
+                if "prompt_tokens_local_compute_total" not in values:
+                    assert _same(snap.prompt_tokens_computed_total, values["prompt_tokens_total"])
+                    assert _same(snap.prompt_tokens_cached_total, 0.0)
+                steps = snap.iteration_tokens
+                assert steps is not None and _same(steps.count, values["engine_steps_total"])
+                # Each engine's own blocks, though the page writes their sum over the engines (FAMILIES.md).
+                assert _same(snap.kv_cache_blocks, values["kv_cache_capacity_tokens"] / values["block_size_tokens"])
+            assert [m.split(":")[0] for m in snap.missing] == (
+                ["tokens_in_flight"] if reading.kind == "vllm" else ["engine_steps_total"])
 
 
 @pytest.mark.parametrize("name", PAIRS)

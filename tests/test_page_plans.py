@@ -33,7 +33,6 @@ def cold(text: str, kind: str) -> PageReading | str:
     """The page read with nothing remembered: every line read in full, every selection made by `select`."""
     remember = exposition._remember
     exposition._HEADS.clear()
-    exposition._LABEL_SETS.clear()
     engines._PLANS.clear()
     exposition._remember = lambda *args: None
     try:

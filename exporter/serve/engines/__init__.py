@@ -78,10 +78,6 @@ def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], 
     snapshots = []
     for who in who_all:
         values = selection.values[who]
-        for name in adapter.absent_means_zero:
-            if name not in values and selection.missing[who].get(name, "").startswith("no "):
-                del selection.missing[who][name]
-                values[name] = 0.0
         missing = dict(adapter.not_offered) | selection.missing[who]
         snapshots.append(
             Snapshot(

@@ -45,10 +45,6 @@ _VALUE_RE = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)
 # Control characters other than tab, newline and carriage return: text pages never hold them.
 _BINARY_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffd]")
 _BINARY_SHARE = 0.01
-# Label sets already parsed, by their exact text: a server's page repeats the same ~45 wanted label
-# sets at every poll, and only the values change. Bounded: cleared when full (targets come and go).
-_LABEL_SETS: dict[str, tuple[Labels, tuple[tuple[str, str], ...]]] = {}
-MAX_CACHED_LABEL_SETS = 20_000
 
 
 @dataclass
@@ -120,27 +116,6 @@ def _check_is_text(text: str) -> None:
         raise PageError("not Prometheus text", "the page holds binary data")
 
 
-def _labels_at(line: str, start: int) -> tuple[Labels, tuple[tuple[str, str], ...], int] | None:
-    """parse_labels with a memory: (a fresh copy of the labels, their sorted items, the index after
-    `}`), or None if malformed. Only a label set that ends at the line's last `}` is remembered (the
-    value and timestamp after it hold none), so the same text always parses the same way."""
-    close = line.rfind("}") + 1
-    text = line[start:close]
-    known = _LABEL_SETS.get(text)
-    if known is not None:
-        return dict(known[0]), known[1], close
-    parsed = parse_labels(line, start)
-    if parsed is None:
-        return None
-    labels, end = parsed
-    items = tuple(sorted(labels.items()))
-    if end == close:
-        if len(_LABEL_SETS) >= MAX_CACHED_LABEL_SETS:
-            _LABEL_SETS.clear()
-        _LABEL_SETS[text] = (dict(labels), items)
-    return labels, items, end
-
-
 def _read_sample(line: str, end: int, name: str, scan: PageScan,
                  seen: set[tuple[str, tuple[tuple[str, str], ...]]]) -> bool:
     """Parses one wanted sample line into `scan`; False if the line is malformed."""
@@ -148,10 +123,11 @@ def _read_sample(line: str, end: int, name: str, scan: PageScan,
     items: tuple[tuple[str, str], ...] = ()
     pos = end
     if pos < len(line) and line[pos] == "{":
-        parsed = _labels_at(line, pos)
+        parsed = parse_labels(line, pos)
         if parsed is None:
             return False
-        labels, items, pos = parsed
+        labels, pos = parsed
+        items = tuple(sorted(labels.items()))
     tokens = line[pos:].split(None, 2)
     if not tokens or (pos < len(line) and line[pos] not in " \t"):
         return False

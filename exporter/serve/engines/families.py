@@ -39,6 +39,9 @@ class FamilySpec:
     # A refinement older releases lack (their absence is handled downstream, with its own note):
     # not listed in the snapshot's `missing`.
     optional: bool = False
+    # A counter the engine creates only at its first increment (SGLang's num_retracted_requests_total):
+    # absent for an identity on a page that is otherwise this engine's, it is 0 so far.
+    absent_means_zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,15 @@ def _sum_histograms(histograms: list[Histogram]) -> Histogram | None:
     )
 
 
+def _absent(spec: FamilySpec, values: dict[str, object], missing: dict[str, str]) -> None:
+    """An identity's field when none of the spec's families has a series for it: 0, said missing, or
+    (optional) left out."""
+    if spec.absent_means_zero:
+        values[spec.field] = 0.0
+    elif not spec.optional:
+        missing[spec.field] = f"no {' or '.join(spec.names)} on the page"
+
+
 def select(index: Index, specs: tuple[FamilySpec, ...], who_all: list[Identity]) -> Selection:
     """Reads every spec's field for every identity; the first family present wins (even if invalid)."""
     out = Selection()
@@ -261,8 +273,7 @@ def select(index: Index, specs: tuple[FamilySpec, ...], who_all: list[Identity])
             reader: Callable[..., bool] = _histogram if spec.kind == "histogram" else _scalar
             name = next((name for name in spec.names if reader(index, spec, name, who, out)), None)
             if name is None:
-                if not spec.optional:
-                    out.missing[who][spec.field] = f"no {' or '.join(spec.names)} on the page"
+                _absent(spec, out.values[who], out.missing[who])
             elif engines_of[who[0]] > 1 and _only_engine_less(index, spec, name, who):
                 out.server_wide[who].add(spec.field)
     return out
@@ -283,9 +294,6 @@ class Adapter:
     roles: EngineLabels
     # Fields this engine never offers, with the reason `missing` gives.
     not_offered: tuple[tuple[str, str], ...] = ()
-    # Counters the engine creates only at their first increment: absent on a page that is otherwise
-    # this engine's means 0 so far (SGLang's num_retracted_requests_total).
-    absent_means_zero: tuple[str, ...] = ()
     extra_names: tuple[str, ...] = ()  # further exact sample names `finish` reads
     finish: Callable[[PageScan, Selection, list[Identity]], None] | None = None
 
@@ -345,6 +353,7 @@ class Plan:
     who_all: tuple[Identity, ...]
     fields: tuple[tuple[Identity, tuple[_PlannedScalar, ...], tuple[_PlannedHistogram, ...]], ...]
     missing: dict[Identity, tuple[tuple[str, str], ...]]
+    absent_values: dict[Identity, tuple[tuple[str, object], ...]]  # fields an absent family sets (to 0)
     server_wide: dict[Identity, frozenset[str]]
 
     def run(self, values: list[float]) -> Selection | None:
@@ -352,7 +361,7 @@ class Plan:
         out = Selection()
         inf = math.inf
         for who, scalars, histograms in self.fields:
-            found: dict[str, object] = {}
+            found: dict[str, object] = dict(self.absent_values[who])
             for name, position in scalars:
                 value = values[position]
                 if not 0 <= value < inf:
@@ -387,11 +396,13 @@ def plan_selection(scan: PageScan, names: tuple[str, ...], roles: EngineLabels,
 
     fields = []
     missing: dict[Identity, tuple[tuple[str, str], ...]] = {}
+    absent_values: dict[Identity, tuple[tuple[str, object], ...]] = {}
     server_wide: dict[Identity, frozenset[str]] = {}
     for who in who_all:
         scalars: list[_PlannedScalar] = []
         histograms: list[_PlannedHistogram] = []
-        absent: list[tuple[str, str]] = []
+        absent: dict[str, str] = {}
+        constant: dict[str, object] = {}
         wide: set[str] = set()
         for spec in specs:
             chosen = None
@@ -423,11 +434,11 @@ def plan_selection(scan: PageScan, names: tuple[str, ...], roles: EngineLabels,
                 chosen = name
                 break
             if chosen is None:
-                if not spec.optional:
-                    absent.append((spec.field, f"no {' or '.join(spec.names)} on the page"))
+                _absent(spec, constant, absent)
             elif engines_of[who[0]] > 1 and _only_engine_less(index, spec, chosen, who):
                 wide.add(spec.field)
         fields.append((who, tuple(scalars), tuple(histograms)))
-        missing[who] = tuple(absent)
+        missing[who] = tuple(absent.items())
+        absent_values[who] = tuple(constant.items())
         server_wide[who] = frozenset(wide)
-    return Plan(tuple(who_all), tuple(fields), missing, server_wide)
+    return Plan(tuple(who_all), tuple(fields), missing, absent_values, server_wide)

@@ -40,7 +40,8 @@ SPECS = (
     ),
     FamilySpec("prompt_tokens_total", ("sglang:prompt_tokens_total",), "counter"),
     FamilySpec("generation_tokens_total", ("sglang:generation_tokens_total",), "counter"),
-    FamilySpec("preemptions_total", ("sglang:num_retracted_requests_total",), "counter"),
+    # Created at a rank's first retraction (0.5.23 observability/metrics_collector.py l. 1513-1525).
+    FamilySpec("preemptions_total", ("sglang:num_retracted_requests_total",), "counter", absent_means_zero=True),
     FamilySpec("block_size_tokens", ("sglang:page_size",), "gauge"),
 )
 
@@ -65,6 +66,5 @@ ADAPTER = Adapter(
     # sglang:cuda_graph_passes_total counts prefill and decode batches apart (0.5.23
     # observability/metrics_collector.py l. 1527-1533): separate passes, not vLLM's mixed steps.
     not_offered=(("engine_steps_total", "SGLang counts prefill and decode passes apart, not mixed steps"),),
-    absent_means_zero=("preemptions_total",),
     finish=_page_size_as_int,
 )

@@ -91,10 +91,10 @@ def _apply_cache_config(scan: PageScan, selection: Selection, who_all: list[Iden
             missing["kv_cache_capacity_tokens"] = f"no {CACHE_CONFIG} for engine {engine} (engine not initialised yet?)"
             missing["block_size_tokens"] = missing["kv_cache_capacity_tokens"]
             continue
-        readings = {capacity_from_cache_config(labels, engines) for labels in mine}
-        if len(readings) > 1:
+        readings = [capacity_from_cache_config(labels, engines) for labels in mine]
+        if len(set(readings)) > 1:
             selection.problems.append(f"{CACHE_CONFIG} disagrees with itself for engine {engine}: took the first")
-        capacity, block_size = capacity_from_cache_config(mine[0], engines)
+        capacity, block_size = readings[0]
         if capacity is None:
             missing["kv_cache_capacity_tokens"] = (
                 f"{CACHE_CONFIG} for engine {engine} has neither kv_cache_size_tokens nor num_gpu_blocks and block_size"
