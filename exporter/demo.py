@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +37,7 @@ from pathlib import Path
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from exporter.capacity import calibrate
 from exporter.capacity.deployment import build_setup, load_architecture
@@ -172,19 +173,17 @@ class ParametersView:
     values: dict[str, float] = field(default_factory=dict)
 
 
-def read_parameters(metrics_url: str) -> dict[str, ParametersView]:
+def parameter_views(samples: Iterable[Sample]) -> dict[str, ParametersView]:
     """Each deployment's parameters in use (bandwidth, overhead, per-request cost, compute) and their source."""
-    text = requests.get(metrics_url, timeout=HTTP_TIMEOUT_SECONDS).text
     found: dict[str, ParametersView] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name.removeprefix("stepbudget_")
-            deployment = sample.labels.get("deployment")
-            if deployment is None or name not in (*PARAMETER_SERIES, "effective_bandwidth_bytes_per_second"):
-                continue
-            view = found.setdefault(deployment, ParametersView())
-            view.values[name] = sample.value
-            view.source = sample.labels.get("source", view.source)
+    for sample in samples:
+        name = sample.name.removeprefix("stepbudget_")
+        deployment = sample.labels.get("deployment")
+        if deployment is None or name not in (*PARAMETER_SERIES, "effective_bandwidth_bytes_per_second"):
+            continue
+        view = found.setdefault(deployment, ParametersView())
+        view.values[name] = sample.value
+        view.source = sample.labels.get("source", view.source)
     return found
 
 
@@ -259,17 +258,22 @@ def stop_daemon(process: subprocess.Popen[bytes]) -> None:
 # --- reading the daemon's output -------------------------------------------------------------------
 
 
-def read_targets(metrics_url: str) -> list[TargetView]:
-    """The daemon's per-target series, grouped by (deployment, target)."""
+def read_metrics(metrics_url: str) -> list[Sample]:
+    """Every sample of the daemon's /metrics, fetched and parsed once per refresh: the target views
+    and the parameters are both read from it, so they show the same poll."""
     text = requests.get(metrics_url, timeout=HTTP_TIMEOUT_SECONDS).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def target_views(samples: Iterable[Sample]) -> list[TargetView]:
+    """The daemon's per-target series, grouped by (deployment, target)."""
     views: dict[tuple[str, str], TargetView] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.startswith("stepbudget_") or "target" not in sample.labels:
-                continue
-            key = (sample.labels.get("deployment", ""), sample.labels["target"])
-            view = views.setdefault(key, TargetView(key[0], key[1], {}))
-            view.values[sample.name.removeprefix("stepbudget_")] = sample.value
+    for sample in samples:
+        if not sample.name.startswith("stepbudget_") or "target" not in sample.labels:
+            continue
+        key = (sample.labels.get("deployment", ""), sample.labels["target"])
+        view = views.setdefault(key, TargetView(key[0], key[1], {}))
+        view.values[sample.name.removeprefix("stepbudget_")] = sample.value
     return sorted(views.values(), key=lambda v: v.deployment)
 
 
@@ -466,12 +470,12 @@ def _watch(daemon_url: str, pools: dict[str, Pool], poll_seconds: float, duratio
             print(f"stepbudget demo: the daemon exited with code {process.returncode}", file=sys.stderr)
             break
         try:
-            views = read_targets(metrics_url)
-            parameters = read_parameters(metrics_url)
+            samples = read_metrics(metrics_url)
             alerts = read_alerts(f"{daemon_url}/api/v1/alerts", time.time())
         except requests.RequestException as error:
             print(f"stepbudget demo: cannot read the daemon at {daemon_url}: {error}", file=sys.stderr)
             continue
+        views, parameters = target_views(samples), parameter_views(samples)
         order = list(pools)
         views.sort(key=lambda v: order.index(v.deployment) if v.deployment in order else len(order))
         text = render_view(views, alerts, pools, metrics_url, parameters)

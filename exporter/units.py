@@ -49,18 +49,25 @@ def parse_size_bytes(text: str | int | float, what: str = "size") -> float:
     return _parse_with_unit(text, SIZE_UNITS, str.lower, what, "a size; use bytes or a unit such as 80GB or 4GiB")
 
 
-def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:
-    """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, `1m30s` -> 90.0, a bare number is seconds. Must be positive."""
+def _parse_duration(text: str | int | float, what: str, unreadable: str, *, allow_zero: bool) -> float:
+    """Seconds from a bare number, a number with one unit (`15s`, `250ms`) or a compound duration
+    (`1m30s`): every duration reader goes through here, so each accepts what DURATION_PATTERN says."""
     compound = _COMPOUND_DURATION.match(text) if isinstance(text, str) else None
     if compound and sum(part is not None for part in compound.groups()) > 1:
         hours, minutes, seconds, millis = (int(part or 0) for part in compound.groups())
         value = hours * 3600.0 + minutes * 60.0 + seconds + millis / 1000
-        if not value > 0:
+        if not allow_zero and not value > 0:
             raise InputError(f"{what}: must be greater than zero, got {text!r}")
         return value
-    return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 15s, 5m, 1m30s, 250ms")
+    return _parse_with_unit(text, _DURATION_UNITS, str, what, unreadable, allow_zero=allow_zero)
+
+
+def parse_duration_seconds(text: str | int | float, what: str = "duration") -> float:
+    """`15s` -> 15.0, `5m` -> 300.0, `250ms` -> 0.25, `1m30s` -> 90.0, a bare number is seconds. Must be positive."""
+    return _parse_duration(text, what, "a duration; use e.g. 15s, 5m, 1m30s, 250ms", allow_zero=False)
 
 
 def parse_overhead_seconds(text: str | int | float, what: str = "step overhead") -> float:
-    """A duration that may be zero: a per-step overhead (`calibrate` fits 0 when there is none)."""
-    return _parse_with_unit(text, _DURATION_UNITS, str, what, "a duration; use e.g. 2ms, 0.002, 0", allow_zero=True)
+    """A duration that may be zero: a per-step overhead (`calibrate` fits 0 when there is none), or an
+    alert rule's `for` (Prometheus writes `0s`, `5m` and `1m30s` alike)."""
+    return _parse_duration(text, what, "a duration; use e.g. 2ms, 0.002, 0", allow_zero=True)

@@ -189,6 +189,12 @@ def test_a_rule_without_for_fires_at_once(tmp_path: Path) -> None:
     assert {rule.name: rule.for_seconds for rule in rules}["StepBudgetTargetDown"] == 0.0
 
 
+def test_a_compound_for_is_read_as_prometheus_reads_it(tmp_path: Path) -> None:
+    """`for: 1m30s` is valid Prometheus: the loop must start with it, not refuse the rules file."""
+    rules = load_rules(_edited_copy(tmp_path, "StepBudgetTargetDown", **{"for": "1m30s"}))
+    assert {rule.name: rule.for_seconds for rule in rules}["StepBudgetTargetDown"] == 90.0
+
+
 def test_thresholds_match_the_rule_expressions() -> None:
     file_rules = _rule_file_alerts()
     assert f"> {DRIFT_THRESHOLD_RATIO}" in file_rules["StepBudgetPredictionDrift"]["expr"]

@@ -14,7 +14,7 @@ from exporter.errors import InputError
 from exporter.serve import config as config_module
 from exporter.serve.config import ConfigError, config_from_mapping
 from exporter.serve.config_schema import chart_config_schema, config_schema, parser_schema
-from exporter.units import DURATION_PATTERN, parse_duration_seconds
+from exporter.units import DURATION_PATTERN, parse_duration_seconds, parse_overhead_seconds
 
 VALUES_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "stepbudget" / "values.schema.json"
 
@@ -58,6 +58,9 @@ DOCUMENTS = [
       "deployments": [_deployment(kind="sglang", step_overhead="2ms", effective_bandwidth="2TB")]}, True),
     ({"deployments": [_deployment(targets={"kubernetes": {"namespace": "llm", "label_selector": "app=v"}})]}, True),
     ({"deployments": [_deployment(auth=None, tls=None)]}, True),
+    # A zero-allowed duration takes the compound form too: the schema's pattern is the same for both.
+    ({"deployments": [_deployment(step_overhead="1s500ms")]}, True),
+    ({"deployments": [_deployment(step_overhead="0m0s")]}, True),
     ({"poll_intervall": "15s", "deployments": [_deployment()]}, False),
     ({"poll_interval": "1m30", "deployments": [_deployment()]}, False),
     ({"poll_interval": "30s1m", "deployments": [_deployment()]}, False),
@@ -95,6 +98,7 @@ def test_check_config_and_the_schema_agree(document: dict, valid: bool) -> None:
 ])
 def test_durations_parse_and_match_the_schema_pattern(text: str, seconds: float) -> None:
     assert parse_duration_seconds(text) == seconds
+    assert parse_overhead_seconds(text) == seconds  # the zero-allowed reader (step_overhead, a rule's `for`)
     assert re.search(DURATION_PATTERN, text)
 
 
@@ -102,4 +106,6 @@ def test_durations_parse_and_match_the_schema_pattern(text: str, seconds: float)
 def test_malformed_durations_are_refused_by_both(text: str) -> None:
     with pytest.raises(InputError):
         parse_duration_seconds(text)
+    with pytest.raises(InputError):
+        parse_overhead_seconds(text)
     assert not re.search(DURATION_PATTERN, text)

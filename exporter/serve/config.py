@@ -456,6 +456,13 @@ CALIBRATION_OPTIONAL_NUMBERS: dict[str, Parser] = {
     "effective_compute_flops_per_second": positive,
 }
 
+# What a refused file's spread_ratio measured, by its agreement_basis (files from before the key: bandwidths).
+_REJECTION_MEASURES = {
+    model.AGREEMENT_ON_BANDWIDTHS: "its points' bandwidths spread",
+    model.AGREEMENT_ON_FIT_RESIDUALS: "its fitted terms miss a point by",
+    model.AGREEMENT_ON_WINDOW_RESIDUALS: "its fit misses 10% of its windows by more than",
+}
+
 
 @dataclass(frozen=True)
 class CalibrationValues:
@@ -501,9 +508,8 @@ def _calibration_values(path: str, deployment: str, where: Where) -> Calibration
         raise refuse(f"says agrees: {str(agrees).lower()} but its spread_ratio {spread:g} and tolerance_ratio "
                      f"{tolerance:g} say otherwise (edited by hand?); re-run `stepbudget calibrate --json`")
     if not agrees:
-        measure = {"fit_residuals": "its fitted terms miss a point by",
-                   "window_residuals_p90": "its fit misses 10% of its windows by more than"}.get(
-            str(document.get("agreement_basis")), "its points' bandwidths spread")
+        measure = _REJECTION_MEASURES.get(str(document.get("agreement_basis")),
+                                          _REJECTION_MEASURES[model.AGREEMENT_ON_BANDWIDTHS])
         raise refuse(f"was rejected by `stepbudget calibrate` (agrees: false): {measure} {spread:.1%}, more than "
                      f"the {tolerance:.0%} tolerance, so the model does not describe that server; re-run "
                      "`stepbudget calibrate` (its notes name likely causes) and use a file it accepts")

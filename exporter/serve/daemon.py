@@ -42,7 +42,14 @@ from exporter.serve.online_seed import start_seeding
 from exporter.serve.poller import HttpFetcher, Poller
 from exporter.serve.prometheus_source import PrometheusSource
 from exporter.serve.server import Response, StepBudgetServer, TargetRow
-from exporter.serve.sharding import ShardedDiscovery, keep_targets, parse_shard, shard_from_config, shard_section
+from exporter.serve.sharding import (
+    Shard,
+    ShardedDiscovery,
+    keep_targets,
+    parse_shard,
+    shard_from_config,
+    shard_section,
+)
 
 log = structlog.get_logger("stepbudget.daemon")
 
@@ -153,7 +160,7 @@ def build_daemon(config: Config) -> Daemon:
     shard = shard_from_config(config)
     if shard is not None:
         discovery = ShardedDiscovery(discovery, shard)
-    sources = prometheus_sources(config)
+    sources = prometheus_sources(config, shard)
     poller = Poller(config, discovery, fetcher, sources=sources)
     registry = make_registry(poller.readings, config.deployments)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
@@ -172,9 +179,9 @@ def build_daemon(config: Config) -> Daemon:
     return Daemon(config, poller, server, alert_loop, fetcher, sources)
 
 
-def prometheus_sources(config: Config) -> tuple[PrometheusSource, ...]:
-    """One query source per `targets.prometheus` deployment; a shard keeps its share of each."""
-    shard = shard_from_config(config)
+def prometheus_sources(config: Config, shard: Shard | None) -> tuple[PrometheusSource, ...]:
+    """One query source per `targets.prometheus` deployment; a shard (the one that cuts discovery
+    down too) keeps its share of each."""
     keep = None if shard is None else (lambda targets: keep_targets(targets, shard))
     return tuple(PrometheusSource(deployment, timeout_seconds=config.timeout_seconds,
                                   stale_after_seconds=config.stale_after_seconds, keep=keep)
