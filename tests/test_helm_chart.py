@@ -382,6 +382,30 @@ def test_network_policy_reads_ports_from_urls_and_kubernetes_defaults(tmp_path: 
     assert len(policy["egress"]) == 3
 
 
+def test_network_policy_reaches_the_prometheus_the_config_reads(tmp_path: Path) -> None:
+    """Prometheus mode (targets.prometheus.url) and online calibration's seeding (prometheus_url under
+    defaults or a deployment) query Prometheus: its ports get their own rule, with their own peers."""
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "networkPolicy": {"enabled": True, "egress": {"prometheus": {"to": monitoring}}},
+        "config": {
+            "defaults": {"online_calibration": {"prometheus_url": "http://prometheus.monitoring.svc:9092"}},
+            "deployments": [
+                {"name": "a", "model": "qwen3-8b", "gpu": "h100-sxm",
+                 "targets": {"prometheus": {"url": "http://prometheus.monitoring.svc:9090", "selector": 'job="v"'}}},
+                {"name": "b", "model": "qwen3-8b", "gpu": "h100-sxm",
+                 "online_calibration": {"prometheus_url": "https://thanos.monitoring.svc"},
+                 "targets": {"static": ["http://b.llm.svc:8000/metrics"]}}]},
+    }))
+    policy = one(render(values), "NetworkPolicy")["spec"]
+    dns, model_servers, prometheus = policy["egress"]
+    assert {p["port"] for p in model_servers["ports"]} == {8000}
+    assert sorted(p["port"] for p in prometheus["ports"]) == [443, 9090, 9092]
+    assert prometheus["to"] == monitoring
+    assert "to" not in model_servers  # the Prometheus peers restrict that rule only
+
+
 # --- values.schema.json -------------------------------------------------------------------------
 
 @pytest.mark.parametrize(

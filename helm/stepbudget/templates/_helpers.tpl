@@ -212,6 +212,26 @@ daemon's default 8000), plus networkPolicy.egress.modelServers.extraPorts, one p
 {{- $ports | uniq | sortAlpha | join "\n" }}
 {{- end }}
 
+{{/* The ports of the Prometheus query APIs the config reads, one per line: Prometheus mode
+(deployments[].targets.prometheus.url) and online calibration's seeding (online_calibration.prometheus_url
+under defaults or a deployment). */}}
+{{- define "stepbudget.prometheusPorts" -}}
+{{- $ports := list }}
+{{- $config := .Values.config | default dict }}
+{{- with ($config.defaults | default dict).online_calibration }}
+{{- with .prometheus_url }}{{ $ports = append $ports (include "stepbudget.urlPort" .) }}{{ end }}
+{{- end }}
+{{- range $config.deployments }}
+{{- with (.targets | default dict).prometheus }}
+{{- with .url }}{{ $ports = append $ports (include "stepbudget.urlPort" .) }}{{ end }}
+{{- end }}
+{{- with .online_calibration }}
+{{- with .prometheus_url }}{{ $ports = append $ports (include "stepbudget.urlPort" .) }}{{ end }}
+{{- end }}
+{{- end }}
+{{- $ports | uniq | sortAlpha | join "\n" }}
+{{- end }}
+
 {{/* The ports of alerting.alertmanager_urls, one per line. */}}
 {{- define "stepbudget.alertmanagerPorts" -}}
 {{- $ports := list }}
