@@ -26,10 +26,13 @@ def _window(t: float) -> FitWindow:
 def test_the_windows_kept_are_capped_and_keep_their_span(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(online_calibration, "MAX_WINDOWS_PER_DEPLOYMENT", 100)
     calibration = _calibration()
+    now = 999.0 + 1800.0  # every window inside the history and outside the holdout
     for t in range(1000):
         calibration.add((f"engine-{t}",), _window(float(t)))
-    kept = calibration.windows_for_fit(now_seconds=999.0 + 1800.0)
-    # Each time the 101st arrives, the older half (50) is halved to 25: never more than 100 kept.
+        # Each time the 101st arrives, the older half (50) is halved to 25, leaving 76; 25 more and it
+        # happens again: never more than 100 kept, checked after every window, not only at the end.
+        assert len(calibration.windows_for_fit(now)) == (t + 1 if t < 100 else 76 + (t - 100) % 25)
+    kept = calibration.windows_for_fit(now_seconds=now)
     assert 50 <= len(kept) <= 100
     assert kept[0].end_seconds == 0.0 and kept[-1].end_seconds == 999.0  # the span in time is kept
     ends = [window.end_seconds for window in kept]

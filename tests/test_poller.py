@@ -388,6 +388,28 @@ def test_routine_window_gaps_are_quiet_but_a_page_without_the_histogram_is_logge
     assert any("inter_token_latency" in note for note in line["notes"])
 
 
+def test_page_overrides_config_is_said_only_where_the_page_differs(
+        page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
+    """Two deployments with equal setups read one page: while it agrees with the config (bfloat16 is the
+    16 bits "auto" means, blocks of 16) nothing is said; an fp8 page is said once per target."""
+    config = config_from_mapping({"poll_interval": "15s", "stale_after": "60s", "deployments": [
+        {"name": name, "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": [page_server.url]}}
+        for name in ("a", "b")]})
+    poller = make_poller(config, clock)
+    page_server.serve_text(vllm_page(VllmState(running=4, kv_usage_ratio=0.5, cache_dtype="bfloat16")))
+    with capture_logs() as logs:
+        poller.poll_once()
+    assert [line for line in logs if line["event"] == "page_overrides_config"] == []
+    page_server.serve_text(vllm_page(VllmState(running=4, kv_usage_ratio=0.5, cache_dtype="fp8")))
+    with capture_logs() as logs:
+        for _ in range(2):
+            clock.advance(15)
+            poller.poll_once()
+    said = [line for line in logs if line["event"] == "page_overrides_config"]
+    assert sorted((line["deployment"], line["page_kv_cache_dtype"], line["page_block_size"]) for line in said) == [
+        ("a", "fp8", 16), ("b", "fp8", 16)]
+
+
 def test_failing_target_does_not_disturb_the_healthy_one(make_page_server, clock: ManualClock,
                                                           make_poller: MakePoller) -> None:
     healthy, broken = make_page_server(), make_page_server()

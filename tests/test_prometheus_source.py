@@ -198,6 +198,17 @@ def test_targets_read_from_the_answer_give_the_pages_own_snapshots(api: QueryApi
     assert headers["x-scope-orgid"] == "team-a"
 
 
+def test_an_instance_two_jobs_scrape_is_two_targets_named_with_their_jobs(api: QueryApi, clock: ManualClock) -> None:
+    """`instance` alone names a target; where two jobs scrape one instance, each is `instance/job`."""
+    page = vllm_page(busy(100, 16.0))
+    api.serve(success(scraped(page, "10.0.0.5:8000"), scraped(page, "10.0.0.5:8000", extra={"job": "canary"}),
+                      scraped(page, "10.0.0.6:8000")))
+    clock.now = SCRAPED_AT + 1
+    _, source = poller_for(config(api.url), clock)
+    labels = sorted(outcome.target.target for outcome in source.read().outcomes)
+    assert labels == ["10.0.0.5:8000/canary", "10.0.0.5:8000/vllm", "10.0.0.6:8000"]
+
+
 def test_windows_over_queries_match_windows_over_pages(api: QueryApi, clock: ManualClock) -> None:
     poller, _ = poller_for(config(api.url), clock)
     for steps, at in ((100, SCRAPED_AT), (300, SCRAPED_AT + 15)):

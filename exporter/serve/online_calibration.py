@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING
 import structlog
 
 from exporter.capacity import model
+from exporter.capacity.deployment import fit_bounds
 from exporter.errors import InputError
 
 if TYPE_CHECKING:
+    from exporter.capacity.deployment import ResolvedSetup
     from exporter.serve.config import Deployment
     from exporter.serve.poller import PollResult
     from exporter.serve.reading import Reading
@@ -148,6 +150,13 @@ class Bounds:
            fit_bounds: model.FitBounds = model.DEFAULT_FIT_BOUNDS) -> Bounds:
         return cls(MIN_RATE_SHARE_OF_PEAK * peak_bandwidth, peak_bandwidth, fit_bounds.max_step_overhead_seconds,
                    fit_bounds.max_per_request_seconds, MIN_RATE_SHARE_OF_PEAK * peak_compute, peak_compute)
+
+    @classmethod
+    def of_setup(cls, resolved: ResolvedSetup) -> Bounds:
+        """The bounds of a deployment's setup: its GPU's peaks and the limits `calibrate` fits within
+        (capacity.deployment.fit_bounds), so the online fit and a calibration file agree on what is sane."""
+        limits = fit_bounds(resolved)
+        return cls.of(limits.max_bandwidth_bytes_per_second, limits.max_compute_flops_per_second, limits)
 
 
 @dataclass(frozen=True)
@@ -456,17 +465,13 @@ class OnlineCalibrator:
     """Every enabled deployment's online fit, fed by the poller's readings (a poll listener)."""
 
     def __init__(self, deployments: Sequence[Deployment]) -> None:
-        from exporter.capacity.deployment import fit_bounds
-
         self._lock = threading.Lock()
         self.deployments: dict[str, DeploymentCalibration] = {}
         for deployment in deployments:
             settings = deployment.online_calibration
             if settings is None or not settings.enabled:
                 continue
-            limits = fit_bounds(deployment.resolved)
-            bounds = Bounds.of(limits.max_bandwidth_bytes_per_second, limits.max_compute_flops_per_second)
-            calibration = DeploymentCalibration(deployment, settings, bounds)
+            calibration = DeploymentCalibration(deployment, settings, Bounds.of_setup(deployment.resolved))
             calibration.publish()
             self.deployments[deployment.name] = calibration
 

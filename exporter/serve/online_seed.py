@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from exporter.capacity.deployment import ResolvedSetup, fit_bounds
+from exporter.capacity.deployment import ResolvedSetup
 from exporter.capacity.model import Calibration
 from exporter.errors import InputError
 from exporter.serve import online_calibration
@@ -164,9 +164,7 @@ def calibration_from_history(args: argparse.Namespace, resolved: ResolvedSetup) 
     except PrometheusError as error:
         raise OSError(str(error)) from None
     windows = [window for _, window in pairs]
-    limits = fit_bounds(resolved)
-    bounds = online_calibration.Bounds.of(limits.max_bandwidth_bytes_per_second,
-                                          limits.max_compute_flops_per_second)
+    bounds = online_calibration.Bounds.of_setup(resolved)
     fit = online_calibration.fit_windows(resolved.setup, windows, bounds, min_windows=1)
     where = f"of deployment {args.deployment!r} in {args.prometheus} over the last {args.since}"
     return online_calibration.calibration_from_fit(resolved.setup, windows, fit, where)

@@ -33,17 +33,16 @@ from urllib3.response import BaseHTTPResponse
 from urllib3.util import Timeout, make_headers, parse_url
 
 from exporter import __version__
-from exporter.capacity import model
 from exporter.logs import say_tls_verification_is_off
 from exporter.serve.config import Config, Deployment, Tls
 from exporter.serve.discovery import Discovery, Target
 from exporter.serve.engines import PageReading, read_page
+from exporter.serve.reading import Reading, derive_reading, page_setup, server_wide_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window, compute_window
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.background import BackgroundScheduler
-from exporter.serve.reading import Reading, derive_reading, server_wide_reading
 
 log = structlog.get_logger("stepbudget.poller")
 
@@ -407,7 +406,7 @@ class TargetState:
     readings: list[Reading] = field(default_factory=list)
     # What was last logged about the page, so a lasting condition is logged once per change.
     problems: tuple[str, ...] = ()
-    page_settings: tuple[tuple[str, str, str], ...] = ()
+    page_settings: tuple[tuple[str, str, int], ...] = ()  # (engine, KV dtype, block size)
 
 
 @dataclass(frozen=True)
@@ -638,24 +637,23 @@ class Poller:
         return readings
 
     def _log_page_settings(self, state: TargetState, deployment: Deployment, readings: Iterable[Reading]) -> None:
-        """The page's KV dtype and block size win over the config: say so once when they differ."""
+        """The page's KV dtype and block size win over the config (reading.page_setup, which decides what
+        counts as different): say so once when they differ."""
         configured = deployment.resolved.setup
         settings = tuple(sorted({
-            (reading.engine, reading.kv_cache_dtype or "", str(reading.block_size_tokens or ""))
+            (reading.engine, reading.kv_cache_dtype or "", reading.block_size_tokens or 0)
             for reading in readings if reading.engine or reading.kv_cache_dtype
         }))
         if settings == state.page_settings:
             return
         state.page_settings = settings
         for engine, dtype, block_size in settings:
-            page_bytes = model.DTYPE_BYTES.get(dtype.lower()) if dtype else None
-            dtype_differs = page_bytes is not None and page_bytes != configured.kv_bytes_per_element
-            block_differs = bool(block_size) and int(block_size) != configured.block_size_tokens
-            if dtype_differs or block_differs:
+            # `!=`, not `is not`: page_setup's cache may answer with an equal setup of another deployment.
+            if page_setup(configured, dtype or None, block_size or None) != configured:
                 log.warning("page_overrides_config", deployment=deployment.name, target=state.target.target,
                             engine=engine, page_kv_cache_dtype=dtype or None,
                             configured_kv_cache_dtype=deployment.kv_cache_dtype,
-                            page_block_size=int(block_size) if block_size else None,
+                            page_block_size=block_size or None,
                             configured_block_size=configured.block_size_tokens,
                             using="the page's settings")
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,10 +263,10 @@ class PrometheusSource:
 
     def _name_targets(self, scraped: Mapping[ScrapeKey, ScrapedTarget]) -> dict[ScrapeKey, Target]:
         """`instance` is the `target` label; where two jobs scrape one instance, the job is added."""
-        instances = [instance for _, instance in scraped]
+        jobs_per_instance = Counter(instance for _, instance in scraped)  # a count per poll, not a scan per target
         targets = {}
         for (job, instance), entry in sorted(scraped.items()):
-            label = instance if instances.count(instance) == 1 else f"{instance}/{job}"
+            label = instance if jobs_per_instance[instance] == 1 else f"{instance}/{job}"
             url = f"{self.spec.url}/api/v1/query#job={job},instance={instance}"
             targets[(job, instance)] = Target(self.deployment.name, url, label,
                                               namespace=entry.target_labels.get("namespace"),
