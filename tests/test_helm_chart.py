@@ -400,6 +400,7 @@ def test_network_policy_reaches_the_prometheus_the_config_reads(tmp_path: Path) 
     }))
     policy = one(render(values), "NetworkPolicy")["spec"]
     dns, model_servers, prometheus = policy["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
     assert {p["port"] for p in model_servers["ports"]} == {8000}
     assert sorted(p["port"] for p in prometheus["ports"]) == [443, 9090, 9092]
     assert prometheus["to"] == monitoring
