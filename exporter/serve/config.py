@@ -355,6 +355,11 @@ class Tls:
     ca_file: str | None = None
     insecure_skip_verify: bool = False
 
+    @property
+    def verify(self) -> bool | str:
+        """What an HTTP client's `verify` takes: False (not checked), the CA file, or True (the system's CAs)."""
+        return False if self.insecure_skip_verify else (self.ca_file or True)
+
 
 @dataclass(frozen=True)
 class PrometheusTargets:

@@ -245,8 +245,7 @@ class HttpFetcher:
 
     def _fetch(self, url: str, bearer_token: str | None, tls: Tls) -> str:
         deadline = self._clock() + self.timeout_seconds
-        verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
-        response = self._get(url, bearer_token, verify)
+        response = self._get(url, bearer_token, tls.verify)
         body = None
         try:
             if response.status != 200:

@@ -239,15 +239,13 @@ class PrometheusSource:
             headers["Authorization"] = f"Bearer {token}"
         if self.spec.tenant:
             headers["X-Scope-OrgID"] = self.spec.tenant
-        tls = self.spec.tls
-        verify: bool | str = False if tls.insecure_skip_verify else (tls.ca_file or True)
         deadline = self._monotonic() + self._timeout_seconds
         # POST: a long selector stays out of URL length limits; partial_response=false asks Thanos
         # for an error rather than a silently partial answer (Prometheus and Mimir ignore it).
         with self._session.post(f"{self.spec.url}/api/v1/query",
                                 data={"query": self._query, "partial_response": "false"},
                                 headers=headers, timeout=(self._timeout_seconds, self._timeout_seconds),
-                                verify=verify, stream=True) as response:
+                                verify=self.spec.tls.verify, stream=True) as response:
             body = read_body(response, deadline, self.spec.max_response_bytes, self._monotonic)
             return decode_answer(response.status_code, body)
 
