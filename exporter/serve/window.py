@@ -9,6 +9,7 @@ window has no deltas at all (never negative or absurd numbers), and the next one
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exporter.serve.snapshot import Histogram, Snapshot
@@ -122,8 +123,12 @@ def _step_times(previous: Histogram, current: Histogram, notes: list[str]) -> tu
     if not _same_edges(previous, current):
         notes.append("ITL bucket edges changed between polls: no median this window")
         return mean, None, observations
-    deltas = tuple((le, now - before) for (le, now), (_, before) in zip(current.buckets, previous.buckets, strict=True))
-    return mean, histogram_quantile(0.5, deltas), observations
+    return mean, histogram_quantile(0.5, _bucket_deltas(previous, current)), observations
+
+
+def _bucket_deltas(previous: Histogram, current: Histogram) -> tuple[tuple[float, float], ...]:
+    """Cumulative bucket counts observed between two readings of one histogram (same edges)."""
+    return tuple((le, now - before) for (le, now), (_, before) in zip(current.buckets, previous.buckets, strict=True))
 
 
 # More iteration-tokens observations than the ITL count allows by this factor: several API servers
@@ -193,16 +198,15 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float 
         notes.append("vllm:iteration_tokens_total disagrees with the computed prompt tokens (a release that "
                      "counts cache hits in it?): predicting at the mean prefill")
         return None
-    bucket_deltas = [(le, now - before) for (le, now), (_, before) in zip(now_h.buckets, before_h.buckets, strict=True)]
     total_tokens = (decode_per_step + prefill_per_step) * steps
-    tokens = step_tokens_in_buckets(bucket_deltas, total_tokens, decode_per_step)
+    tokens = step_tokens_in_buckets(_bucket_deltas(before_h, now_h), total_tokens, decode_per_step)
     if tokens is None:
         return None
     count = sum(n for _, n in tokens)
     return tuple((max(0.0, value - decode_per_step), n / count) for value, n in tokens)
 
 
-def step_tokens_in_buckets(cumulative: list[tuple[float, float]], total_tokens: float, typical_tokens: float
+def step_tokens_in_buckets(cumulative: Sequence[tuple[float, float]], total_tokens: float, typical_tokens: float
                            ) -> list[tuple[float, float]] | None:
     """(tokens per step, steps) for each occupied bucket, consistent with the known total.
 
