@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.serve.config import Config, config_from_mapping
-from exporter.serve.daemon import Daemon, build_daemon
+from exporter.serve.daemon import Daemon, build_daemon, start_serving
 from exporter.simulator.scenarios import builtin_scenarios
 from exporter.simulator.server import ServerHandle, start_server
 from tests.support.processes import stop_process
@@ -91,7 +91,7 @@ def started() -> Iterator[Callable[[Config], Daemon]]:
 
     def start(config: Config) -> Daemon:
         daemon = build_daemon(config)
-        daemon.server.start()
+        start_serving(daemon)
         daemons.append(daemon)
         return daemon
 

@@ -84,6 +84,18 @@ def extensions_for(config: Config) -> list[Extension]:
 # --- flags -----------------------------------------------------------------------------------------
 
 
+def start_serving(daemon: Daemon) -> list[object]:
+    """What `serve` does between building the daemon and polling: the config's extensions, the page
+    refresh after each poll, then /metrics served. One place, so tests start a daemon as `serve` does.
+    Returns what each extension installed."""
+    installed = [hook(daemon) for hook in extensions_for(daemon.config)]
+    # Last listener, after the extensions' (admission sync): the page is re-rendered once per poll
+    # with everything the poll changed, and scrapes are served from it.
+    daemon.poller.add_listener(lambda result: daemon.server.metrics_page.refresh())
+    daemon.server.start()
+    return installed
+
+
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (see docs/operations.md)")
     parser.add_argument("--listen", help="HOST:PORT or :PORT to serve /metrics on (default :9421)")
@@ -228,12 +240,7 @@ def run(args: argparse.Namespace) -> int:
         daemon = build_daemon(config)
     except OSError as error:
         raise InputError(f"listen {config.listen}: cannot serve there: {error.strerror or error}") from None
-    for hook in extensions_for(config):
-        hook(daemon)
-    # Last listener, after the extensions' (admission sync): the page is re-rendered once per poll
-    # with everything the poll changed, and scrapes are served from it.
-    daemon.poller.add_listener(lambda result: daemon.server.metrics_page.refresh())
-    daemon.server.start()
+    start_serving(daemon)
     for deployment in config.deployments:
         log.info("deployment_mode", deployment=deployment.name, mode=deployment.mode, **_sources_of(deployment))
     log.info("started", version=__version__, listen=config.listen, port=daemon.server.port,

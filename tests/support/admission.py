@@ -25,7 +25,7 @@ class RunningDaemon:
 def daemon_with_admission(tmp_path: Path, token: str, simulator_speed: float = 1.0) -> Iterator[RunningDaemon]:
     """A daemon on 127.0.0.1 with admission on, after one poll of an idle simulated vLLM server
     (also on 127.0.0.1); everything it started is stopped on exit. Admission is installed the way
-    `serve` does it, by the hooks `extensions_for` picks from the config."""
+    `serve` does it (`start_serving`: the hooks `extensions_for` picks from the config)."""
     token_file = tmp_path / "admission-token"
     token_file.write_text(token + "\n")
     simulated = start_server("127.0.0.1", 0, None, simulator_speed, ServerSpec())
@@ -38,9 +38,8 @@ def daemon_with_admission(tmp_path: Path, token: str, simulator_speed: float = 1
         })
         daemon = daemon_module.build_daemon(config)
         try:
-            installed = [hook(daemon) for hook in daemon_module.extensions_for(config)]
+            installed = daemon_module.start_serving(daemon)
             (api,) = [extension for extension in installed if isinstance(extension, AdmissionApi)]
-            daemon.server.start()
             daemon.poller.poll_once()
             yield RunningDaemon(f"http://127.0.0.1:{daemon.server.port}", daemon, api)
         finally:
