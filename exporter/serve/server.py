@@ -67,6 +67,12 @@ class _Encoded:
     body: bytes
     gzipped: bytes | None = None
 
+    def compressed(self) -> bytes:
+        """The body gzip-compressed, compressed once per render."""
+        if self.gzipped is None:
+            self.gzipped = gzip.compress(self.body, compresslevel=GZIP_LEVEL)
+        return self.gzipped
+
 
 class MetricsPage:
     """The encoded /metrics page, kept until a poll or an admission change alters it.
@@ -95,19 +101,16 @@ class MetricsPage:
             encoded = self._current(encoder, content_type)
             if not gzip_accepted(accept_encoding):
                 return Response(200, encoded.body, content_type)
-            if encoded.gzipped is None:
-                encoded.gzipped = gzip.compress(encoded.body, compresslevel=GZIP_LEVEL)
-            return Response(200, encoded.gzipped, content_type, {"Content-Encoding": "gzip"})
+            return Response(200, encoded.compressed(), content_type, {"Content-Encoding": "gzip"})
 
     def refresh(self) -> None:
         """Re-render every format served so far, if the page changed (a poll listener calls this, so
         the first scrape after a poll is served at once)."""
         with self._lock:
             for content_type, encoded in list(self._encoded.items()):
-                gzipped = encoded.gzipped is not None
                 fresh = self._current(encoded.encoder, content_type)
-                if gzipped and fresh.gzipped is None:
-                    fresh.gzipped = gzip.compress(fresh.body, compresslevel=GZIP_LEVEL)
+                if encoded.gzipped is not None:  # served compressed before: compress now, not at the scrape
+                    fresh.compressed()
 
     def _current(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> _Encoded:
         generation = getattr(self._registry, "generation", lambda: None)()
