@@ -24,6 +24,7 @@ from exporter.serve.alerting import (
     DRIFT_THRESHOLD_RATIO,
     KV_CACHE_NEARLY_FULL_RATIO,
     PAGE_ALERT,
+    PAGE_HOLD_SECONDS,
     PREEMPTION_WINDOW_SECONDS,
     PROMETHEUS_ONLY,
     AlertLoop,
@@ -121,7 +122,8 @@ RENDERED = {
     (PAGE_ALERT, 0.025): "The predicted step time of 10.0.0.5:8000 "
                          "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 25ms, over its step budget, "
                          "for 5 minutes: the tokens in flight exceed the token "
-                         "budget.",
+                         "budget. If the target has stopped answering, that is its last reading: the page holds "
+                         "until the target reads under budget again.",
     ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 "
                                             "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 96.3% full "
                                             "(over 95%) "
@@ -201,6 +203,9 @@ def test_thresholds_match_the_rule_expressions() -> None:
     assert f"> {KV_CACHE_NEARLY_FULL_RATIO}" in file_rules["StepBudgetKVCacheNearlyFull"]["expr"]
     window = re.search(r"\[(\w+)\]", file_rules["StepBudgetPreemptions"]["expr"]).group(1)
     assert parse_duration_seconds(window) == PREEMPTION_WINDOW_SECONDS
+    # The page holds a series with no reading as long as the rule's last_over_time looks back.
+    holds = set(re.findall(r"last_over_time\(\w+\[(\w+)\]\)", file_rules[PAGE_ALERT]["expr"]))
+    assert {parse_duration_seconds(hold) for hold in holds} == {PAGE_HOLD_SECONDS}
     for rule in file_rules.values():
         if rule["alert"] != "StepBudgetExporterAbsent":
             assert "max without (instance, job)" in rule["expr"], \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,23 @@ DESIGN_ALERTS = {
 REQUEST_COUNT_PATTERN = re.compile(r"requests?_(running|waiting|total)|num_requests|request_success")
 
 
-def _alerts() -> list[dict]:
+PAGE = "StepBudgetPredictedStepOverBudget"
+# The page's memory (a target that stops answering while over budget stays paged): recorded in the
+# alerts file itself, since the page reads it.
+PAGE_MEMORY = "target:stepbudget_predicted_step_seconds:last_over_budget"
+
+
+def _rules() -> list[dict]:
     groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
     return [rule for group in groups for rule in group["rules"]]
+
+
+def _alerts() -> list[dict]:
+    return [rule for rule in _rules() if "alert" in rule]
+
+
+def _alerts_file_records() -> set[str]:
+    return {rule["record"] for rule in _rules() if "record" in rule}
 
 
 def _alert(name: str) -> dict:
@@ -86,11 +101,25 @@ def test_every_design_alert_exists_and_nothing_else() -> None:
 
 
 def test_the_page_is_predicted_step_over_budget_critical_for_five_minutes() -> None:
-    page = _alert("StepBudgetPredictedStepOverBudget")
+    page = _alert(PAGE)
     assert page["labels"]["severity"] == "critical"
     assert page["for"] == "5m"
-    assert metric_names(page["expr"]) == {"stepbudget_predicted_step_seconds", "stepbudget_step_budget_seconds"}
+    # Predicted over budget by the last reading; held by its own memory while the target is down.
+    assert metric_names(page["expr"]) == {"stepbudget_predicted_step_seconds", "stepbudget_step_budget_seconds",
+                                          "stepbudget_target_up", PAGE_MEMORY}
     assert [r["alert"] for r in _alerts() if r["labels"]["severity"] == "critical"] == [page["alert"]]
+
+
+def test_the_page_memory_records_the_page_condition_after_the_page() -> None:
+    """Recorded after the page in the same group, the page reads the previous evaluation's memory
+    (rules of a group run in order); with the same expression it carries exactly the page's verdict."""
+    (group,) = [g for g in yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+                if any(r.get("alert") == PAGE for r in g["rules"])]
+    names = [rule.get("alert") or rule.get("record") for rule in group["rules"]]
+    assert names.index(PAGE_MEMORY) == names.index(PAGE) + 1
+    (memory,) = [rule for rule in group["rules"] if rule.get("record") == PAGE_MEMORY]
+    assert memory["expr"] == _alert(PAGE)["expr"]
+    assert _alerts_file_records() == {PAGE_MEMORY}
 
 
 @pytest.mark.parametrize("name", sorted(DESIGN_ALERTS))
@@ -110,7 +139,7 @@ def test_alert_annotations_and_runbook_section(name: str) -> None:
 def test_per_target_alerts_drop_scrape_labels(name: str) -> None:
     """Prometheus and the daemon must raise one alert, with one label set, not two."""
     expr = _alert(name)["expr"]
-    for selector in metric_names(expr):
+    for selector in metric_names(expr) - _alerts_file_records():  # recorded without instance/job already
         assert re.search(rf"max without \(instance, job\) \((\w+\()?{selector}\b", expr), (name, selector)
 
 
@@ -120,7 +149,7 @@ def test_no_alert_reads_request_counts() -> None:
 
 
 def test_rules_read_only_exported_or_recorded_metrics() -> None:
-    known = known_metrics()
+    known = known_metrics() | _alerts_file_records()
     for path in (ALERTS_FILE, RECORDING_FILE):
         for group in yaml.safe_load(path.read_text())["groups"]:
             for rule in group["rules"]:
@@ -129,7 +158,7 @@ def test_rules_read_only_exported_or_recorded_metrics() -> None:
 
 
 def test_recording_rule_names_follow_level_metric_operation() -> None:
-    for name in recorded_names():
+    for name in recorded_names() | _alerts_file_records():
         level, metric, operation = name.split(":")
         assert level in {"target", "deployment_model_name"}, name
         assert metric.startswith("stepbudget_") and operation, name
@@ -140,7 +169,7 @@ def test_every_recording_rule_is_unit_tested() -> None:
     for path in RULE_TESTS:
         for case in yaml.safe_load(path.read_text())["tests"]:
             tested |= {check["expr"] for check in case.get("promql_expr_test", [])}
-    assert recorded_names() <= tested
+    assert recorded_names() | _alerts_file_records() <= tested
 
 
 # --- mutation: the promtool unit tests must catch a drifted `for` or threshold -----------------
@@ -164,7 +193,7 @@ def _run_unit_tests_against(promtool: str, alerts_text: str, tmp_path: Path) -> 
 def test_unit_tests_catch_a_for_one_minute_shorter(name: str, tmp_path: Path) -> None:
     promtool = require_tool("promtool")
     document = yaml.safe_load(ALERTS_FILE.read_text())
-    rule = next(r for g in document["groups"] for r in g["rules"] if r["alert"] == name)
+    rule = next(r for g in document["groups"] for r in g["rules"] if r.get("alert") == name)
     rule["for"] = f"{_duration_minutes(rule['for']) - 1}m"
     result = _run_unit_tests_against(promtool, yaml.safe_dump(document, sort_keys=False), tmp_path)
     assert result.returncode != 0, f"shortening {name}'s `for` went unnoticed"
@@ -174,8 +203,7 @@ def test_unit_tests_catch_a_for_one_minute_shorter(name: str, tmp_path: Path) ->
 # (alert, comparison as written, comparison one step looser or tighter at the threshold).
 # StepBudgetTargetDown has no threshold to move: target_up is 0 or 1; its `for` is mutated above.
 THRESHOLD_MUTATIONS = [
-    ("StepBudgetPredictedStepOverBudget",
-     "(stepbudget_predicted_step_seconds)\n  >", "(stepbudget_predicted_step_seconds)\n  >="),
+    (PAGE, "(stepbudget_predicted_step_seconds[30m]))\n  >", "(stepbudget_predicted_step_seconds[30m]))\n  >="),
     ("StepBudgetMeasuredStepOverBudget",
      "(stepbudget_measured_step_seconds)\n  >", "(stepbudget_measured_step_seconds)\n  >="),
     ("StepBudgetPredictionDrift", "> 0.15", ">= 0.15"),
@@ -190,9 +218,46 @@ THRESHOLD_MUTATIONS = [
 def test_unit_tests_catch_a_moved_threshold(name: str, old: str, new: str, tmp_path: Path) -> None:
     promtool = require_tool("promtool")
     document = yaml.safe_load(ALERTS_FILE.read_text())
-    rule = next(r for g in document["groups"] for r in g["rules"] if r["alert"] == name)
+    rule = next(r for g in document["groups"] for r in g["rules"] if r.get("alert") == name)
     flat = re.sub(r"\n\s+", "\n  ", rule["expr"])
     assert old in flat, f"mutation anchor {old!r} not in {name}"
     rule["expr"] = flat.replace(old, new, 1)
     result = _run_unit_tests_against(promtool, yaml.safe_dump(document, sort_keys=False), tmp_path)
     assert result.returncode != 0, f"{name}: {old!r} -> {new!r} went unnoticed"
+
+
+# --- mutation: the unit tests must catch a page that resolves when its evidence goes missing ----------
+
+_LIVE_ONLY = """max without (instance, job) (stepbudget_predicted_step_seconds)
+  > max without (instance, job) (stepbudget_step_budget_seconds)
+"""
+
+
+def _without_memory(expr: str) -> str:
+    return expr.split("\nor\n")[0] + "\n"
+
+
+# (id, rule (alert or record name), change of its expression). Each is a way the page could lose its
+# hold, or keep it where it must not; tests/rules/stepbudget.alerts_test.yaml must notice every one.
+HOLD_MUTATIONS = [
+    ("the live reading only, as before issue 21", PAGE, lambda expr: _LIVE_ONLY),
+    ("no memory of a down target", PAGE, _without_memory),
+    ("a shorter hold after the last reading", PAGE, lambda expr: expr.replace("[30m]", "[20m]")),
+    ("a longer hold after the last reading", PAGE, lambda expr: expr.replace("[30m]", "[1h]")),
+    ("held while the target answers", PAGE, lambda expr: expr.replace("== 0", ">= 0")),
+    ("a memory that carries nothing", PAGE_MEMORY, _without_memory),
+    ("a memory carried while the target answers", PAGE_MEMORY, lambda expr: expr.replace("== 0", ">= 0")),
+]
+
+
+@pytest.mark.parametrize(("rule_name", "mutate"), [m[1:] for m in HOLD_MUTATIONS], ids=[m[0] for m in HOLD_MUTATIONS])
+def test_unit_tests_catch_a_page_that_loses_or_overstays_its_hold(rule_name: str, mutate: Callable[[str], str],
+                                                                   tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    document = yaml.safe_load(ALERTS_FILE.read_text())
+    rule = next(r for g in document["groups"] for r in g["rules"] if rule_name in (r.get("alert"), r.get("record")))
+    mutated = mutate(rule["expr"])
+    assert mutated != rule["expr"], f"mutation of {rule_name} changed nothing"
+    rule["expr"] = mutated
+    result = _run_unit_tests_against(promtool, yaml.safe_dump(document, sort_keys=False), tmp_path)
+    assert result.returncode != 0, f"{rule_name}: {mutated!r} went unnoticed"

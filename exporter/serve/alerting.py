@@ -14,6 +14,14 @@ Protocol (as Prometheus's notifier does): pending -> firing once the condition h
 a firing alert is posted at once and then re-posted at most every RESEND_SECONDS with
 endsAt = now + 4 x max(poll interval, RESEND_SECONDS), so Alertmanager resolves it by itself if the
 daemon dies; a cleared alert is posted with endsAt = now and re-posted for RESOLVED_RETENTION_SECONDS.
+
+The page holds on the last reading (docs/runbook.md#stepbudgetpredictedstepoverbudget): a target that
+stops answering, or leaves discovery, while over budget has not come back under budget, so the page
+stays firing, with the same labels and the last reading's value, until the target reads under budget
+again. While the target is still polled and down that lasts as long as it is down; a series the
+readings no longer carry (dropped by discovery, or an answering page without the figures) is held
+PAGE_HOLD_SECONDS after its last reading and then forgotten, so a pod scaled down while over budget
+does not page forever. The rule expression does the same with last_over_time and a recorded memory.
 """
 
 from __future__ import annotations
@@ -48,15 +56,47 @@ PREEMPTION_WINDOW_SECONDS = 5 * 60.0
 DRIFT_THRESHOLD_RATIO = 0.15
 KV_CACHE_NEARLY_FULL_RATIO = 0.95
 PAGE_ALERT = "StepBudgetPredictedStepOverBudget"
+# How long the page holds for a series with no reading of its predicted step (gone from discovery):
+# the `[30m]` of the page rule's last_over_time. Long enough to cover an overloaded pod that fails
+# readiness until its load drains; short enough that a pod replaced or scaled down while over budget
+# stops paging within the half hour.
+PAGE_HOLD_SECONDS = 30 * 60.0
 
 Condition = Callable[[Reading, "History"], "float | None"]
+SeriesKey = tuple[tuple[str, str], ...]  # a series' labels, sorted: one alert per (alertname, series)
+
+
+@dataclass(frozen=True)
+class LastOverBudget:
+    """The page's memory of one series: its last reading said over budget, with this predicted step."""
+
+    predicted_step_seconds: float
+    read_at_seconds: float
+
+    def within_hold(self, now: float) -> bool:
+        return now - self.read_at_seconds <= PAGE_HOLD_SECONDS
 
 
 @dataclass
 class History:
-    """What a rule needs beyond one reading: the recent preemption counter values (for increase())."""
+    """What a rule needs beyond one reading: the recent preemption counter values (for increase()),
+    and whether the last reading of the predicted step was over budget (the page's memory)."""
 
     preemptions: deque[tuple[float, float]] = field(default_factory=deque)
+    over_budget: LastOverBudget | None = None
+
+    def remember(self, reading: Reading, now: float) -> None:
+        """Update the page's memory as the page rule does: a reading with both figures decides; one
+        without keeps the memory while the target is down, or within the hold; else it is released."""
+        predicted, budget = reading.predicted_step_seconds, reading.step_budget_seconds
+        if predicted is not None and budget is not None:
+            self.over_budget = LastOverBudget(predicted, now) if predicted > budget else None
+        elif reading.target_up:
+            self.forget_after_hold(now)
+
+    def forget_after_hold(self, now: float) -> None:
+        if self.over_budget is not None and not self.over_budget.within_hold(now):
+            self.over_budget = None
 
     def preemption_increase(self) -> float | None:
         """increase() over the window: the sum of rises, a drop counted as a reset (as PromQL does)."""
@@ -70,8 +110,9 @@ def _over(value: float | None, limit: float | None) -> float | None:
     return value if value is not None and limit is not None and value > limit else None
 
 
-def _predicted_over(reading: Reading, history: History) -> float | None:
-    return _over(reading.predicted_step_seconds, reading.step_budget_seconds)
+def _page_held(reading: Reading, history: History) -> float | None:
+    """Predicted over budget by the last reading (History.remember), live or held."""
+    return history.over_budget.predicted_step_seconds if history.over_budget is not None else None
 
 
 def _measured_over(reading: Reading, history: History) -> float | None:
@@ -107,7 +148,7 @@ def _down(reading: Reading, history: History) -> float | None:
 # (an absent daemon cannot report its own absence); any other alert of the file without a condition
 # here, or a condition without an alert there, fails loading.
 CONDITIONS: dict[str, Condition] = {
-    PAGE_ALERT: _predicted_over,
+    PAGE_ALERT: _page_held,
     "StepBudgetMeasuredStepOverBudget": _measured_over,
     "StepBudgetPredictionDrift": _drift,
     "StepBudgetPrefillInterference": _prefill_interference,
@@ -196,8 +237,9 @@ class AlertLoop:
         self._post = post
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
         self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds)
-        self._alerts: dict[tuple[str, tuple[tuple[str, str], ...]], _Alert] = {}
-        self._history: dict[tuple[tuple[str, str], ...], History] = {}
+        self._page = next(rule for rule in self.rules if rule.name == PAGE_ALERT)
+        self._alerts: dict[tuple[str, SeriesKey], _Alert] = {}
+        self._history: dict[SeriesKey, History] = {}
         self._lock = threading.Lock()
 
     @property
@@ -213,23 +255,16 @@ class AlertLoop:
         # Each reading's labels and series key once per poll, for the history and for every rule.
         labelled = [(reading, labels := reading.labels, tuple(sorted(labels.items()))) for reading in readings]
         with self._lock:
-            self._record(labelled, now)
-            active: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+            held = self._record(labelled, now)
+            active: set[tuple[str, SeriesKey]] = set()
             for reading, labels, series in labelled:
                 history = self._history[series]
                 for rule in self.rules:
                     value = CONDITIONS[rule.name](reading, history)
-                    if value is None:
-                        continue
-                    key = (rule.name, series)
-                    active.add(key)
-                    alert = self._alerts.get(key)
-                    if alert is None or alert.resolved_at is not None:
-                        alert = self._alerts[key] = _Alert(rule, labels, active_since=now, value=value)
-                    alert.value = value
-                    if alert.fired_at is None and now - alert.active_since >= rule.for_seconds:
-                        alert.fired_at = now
-                        log.warning("alert_firing", alertname=rule.name, severity=rule.severity, value=value, **labels)
+                    if value is not None:
+                        active.add(self._hold(rule, labels, series, value, now))
+            for series, value in held:  # gone from the readings, over budget at their last one
+                active.add(self._hold(self._page, dict(series), series, value, now))
             for key, alert in list(self._alerts.items()):
                 if key in active or alert.resolved_at is not None:
                     continue
@@ -243,18 +278,41 @@ class AlertLoop:
             self._send(due)
         return due
 
-    def _record(self, labelled: Iterable[tuple[Reading, dict[str, str], tuple[tuple[str, str], ...]]],
-                now: float) -> None:
+    def _hold(self, rule: AlertRule, labels: dict[str, str], series: SeriesKey, value: float,
+              now: float) -> tuple[str, SeriesKey]:
+        """Keep (or start) the rule's alert for the series as active now; fire it once it has held for `for`."""
+        key = (rule.name, series)
+        alert = self._alerts.get(key)
+        if alert is None or alert.resolved_at is not None:
+            alert = self._alerts[key] = _Alert(rule, labels, active_since=now, value=value)
+        alert.value = value
+        if alert.fired_at is None and now - alert.active_since >= rule.for_seconds:
+            alert.fired_at = now
+            log.warning("alert_firing", alertname=rule.name, severity=rule.severity, value=value, **labels)
+        return key
+
+    def _record(self, labelled: Iterable[tuple[Reading, dict[str, str], SeriesKey]],
+                now: float) -> list[tuple[SeriesKey, float]]:
+        """Update every series' history; return the series missing from the readings whose page is still
+        held (with the last reading's value). The others' histories are dropped."""
         seen = set()
         for reading, _, series in labelled:
             seen.add(series)
             history = self._history.setdefault(series, History())
+            history.remember(reading, now)
             if reading.preemptions_total is not None:
                 history.preemptions.append((now, reading.preemptions_total))
             while history.preemptions and history.preemptions[0][0] < now - PREEMPTION_WINDOW_SECONDS:
                 history.preemptions.popleft()
+        held = []
         for series in [s for s in self._history if s not in seen]:
-            del self._history[series]
+            history = self._history[series]
+            history.forget_after_hold(now)
+            if history.over_budget is None:
+                del self._history[series]
+            else:
+                held.append((series, history.over_budget.predicted_step_seconds))
+        return held
 
     def _due(self, now: float) -> list[dict[str, object]]:
         due = []
