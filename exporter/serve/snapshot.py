@@ -35,6 +35,11 @@ class Snapshot:
     engine: str
     requests_running: float | None = None
     requests_waiting: float | None = None
+    # The waiting requests held back by scheduling capacity (batch slots, token budget, KV blocks),
+    # as opposed to those deferred by a transient constraint (LoRA budget, a KV transfer, a grammar
+    # being compiled): vLLM's num_requests_waiting_by_reason{reason="capacity"} (0.32.0
+    # vllm/v1/metrics/loggers.py l. 1155-1160; the deferred share is scheduler.py's deferred_waiting).
+    requests_waiting_for_capacity: float | None = None
     kv_cache_usage_ratio: float | None = None  # 0-1
     kv_cache_capacity_tokens: float | None = None
     # Blocks in this engine's KV pool (vLLM: num_gpu_blocks, which the front end sums over
@@ -61,6 +66,15 @@ class Snapshot:
     # Tokens each engine step scheduled (vllm:iteration_tokens_total: computed prompt tokens plus
     # sampled tokens, one observation per step), for predicting the mean over the step mix.
     iteration_tokens: Histogram | None = None
+    # The server's own analytic bytes read per GPU, summed over its steps (vLLM with
+    # --enable-mfu-metrics: vllm:estimated_read_bytes_per_gpu_total; 0.32.0 vllm/v1/metrics/perf.py).
+    server_read_bytes_total: float | None = None
+    # Requests the server's front end refused at its queue limits (vllm:admission_rejections_total,
+    # summed over its reasons): they never reached the engine, so they hold no KV and take no steps.
+    admission_rejections_total: float | None = None
+    # What the server says of the engine's sleep (vllm:engine_sleep_state): "awake", or asleep as
+    # "weights_offloaded" (level 1), "discard_all" (level 2) or "kv_cache_released" (KV memory only).
+    sleep_state: str | None = None
     block_size_tokens: int | None = None
     # The KV cache dtype the server runs with (vllm:cache_config_info's cache_dtype): "auto" follows
     # the model dtype, "fp8*" is one byte per element. It wins over the deployment config.

@@ -146,6 +146,15 @@ def identities(index: Index) -> list[Identity]:
     return sorted((model, engine) for model, found in engines.items() for engine in (found or {"0"}))
 
 
+def engines_per_model(who_all: list[Identity]) -> dict[str, int]:
+    """How many engines each model has on the page: a series without an engine label is server-wide
+    where its model has several."""
+    engines: dict[str, int] = {}
+    for model, _ in who_all:
+        engines[model] = engines.get(model, 0) + 1
+    return engines
+
+
 Found = tuple[Labels, float, str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]
 
 
@@ -262,9 +271,7 @@ def _absent(spec: FamilySpec, values: dict[str, object], missing: dict[str, str]
 def select(index: Index, specs: tuple[FamilySpec, ...], who_all: list[Identity]) -> Selection:
     """Reads every spec's field for every identity; the first family present wins (even if invalid)."""
     out = Selection()
-    engines_of: dict[str, int] = {}
-    for model, _ in who_all:
-        engines_of[model] = engines_of.get(model, 0) + 1
+    engines_of = engines_per_model(who_all)
     for who in who_all:
         out.values[who] = {}
         out.missing[who] = {}
@@ -387,9 +394,7 @@ def plan_selection(scan: PageScan, names: tuple[str, ...], roles: EngineLabels,
     position = {key: number for number, key in enumerate(scan.layout)}
     index = index_series(scan, names, roles)
     who_all = identities(index)
-    engines_of: dict[str, int] = {}
-    for model, _ in who_all:
-        engines_of[model] = engines_of.get(model, 0) + 1
+    engines_of = engines_per_model(who_all)
 
     def where(name: str, labels: Labels) -> int:
         return position[(name, tuple(sorted(labels.items())))]

@@ -20,18 +20,40 @@ Facts and their sources: shared/reference/vllm_metrics/REPORT.md §a (names, ren
   l. 835-839). Label values are strings and may be "None".
 - `cache_dtype` and `block_size` on `vllm:cache_config_info` are what the server runs with and win
   over the deployment config.
+- 0.32.0 families (tests/data/vllm-0.32.0-cpu/, a real server's pages): `vllm:estimated_read_bytes_per_gpu_total`
+  (with --enable-mfu-metrics) is vLLM's analytic bytes read per GPU, incremented once per engine step by that step's
+  estimate (vllm/v1/metrics/perf.py l. 1535-1593 builds it from the scheduler output, l. 1799-1808 adds it;
+  scheduler.py l. 2050-2052 asks for it each step; loggers.py l. 1207-1208 records it). What it counts and how it
+  differs from our bytes: docs/model.md.
+  `vllm:num_requests_waiting_by_reason{reason="capacity"}` is the waiting requests less the deferred ones
+  (loggers.py l. 1148-1160; scheduler.py l. 2944-2948: deferred are requests skipped for a LoRA budget, an
+  unknown external-KV match, stale output, or a blocked status, l. 904-910 and l. 2437-2442).
+  `vllm:engine_sleep_state` and `vllm:admission_rejections_total`: see `sleep_state` and `_admission_rejections`.
 """
 
 from __future__ import annotations
 
-from exporter.serve.engines.exposition import PageScan, parse_value
-from exporter.serve.engines.families import Adapter, EngineLabels, FamilySpec, Identity, Selection
+import math
+
+from exporter.serve.engines.exposition import Labels, PageScan, parse_value
+from exporter.serve.engines.families import (
+    Adapter,
+    EngineLabels,
+    FamilySpec,
+    Identity,
+    Selection,
+    engines_per_model,
+)
 
 CACHE_CONFIG = "vllm:cache_config_info"
+SLEEP_STATE = "vllm:engine_sleep_state"
+ADMISSION_REJECTIONS = "vllm:admission_rejections_total"
 
 SPECS = (
     FamilySpec("requests_running", ("vllm:num_requests_running",), "gauge"),
     FamilySpec("requests_waiting", ("vllm:num_requests_waiting",), "gauge"),
+    FamilySpec("requests_waiting_for_capacity", ("vllm:num_requests_waiting_by_reason",), "gauge",
+               match=(("reason", "capacity"),), optional=True),
     FamilySpec("kv_cache_usage_ratio", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "gauge"),
     FamilySpec(
         "inter_token_latency",
@@ -46,6 +68,7 @@ SPECS = (
     FamilySpec("preemptions_total", ("vllm:num_preemptions_total",), "counter"),
     FamilySpec("engine_steps_total", ("vllm:iteration_tokens_total_count",), "counter"),
     FamilySpec("iteration_tokens", ("vllm:iteration_tokens_total",), "histogram", optional=True),
+    FamilySpec("server_read_bytes_total", ("vllm:estimated_read_bytes_per_gpu_total",), "counter", optional=True),
 )
 
 
@@ -113,11 +136,76 @@ def _apply_cache_config(scan: PageScan, selection: Selection, who_all: list[Iden
             values["kv_cache_blocks"] = blocks / engines
 
 
+def sleep_state(flags: dict[str, float]) -> str | None:
+    """The engine's sleep state from its `vllm:engine_sleep_state` series (sleep_state label -> value).
+
+    vLLM writes all three at once (0.32.0 vllm/v1/metrics/loggers.py l. 1335-1352): awake=1 when awake
+    (the value set at start, l. 617); asleep, awake=0 with weights_offloaded=1 at sleep level 1 or
+    discard_all=1 at level 2 (AsyncLLM.sleep, vllm/v1/engine/async_llm.py l. 1154-1160), or both 0 when
+    only the KV cache memory was released (release_kv_cache_memory, l. 1162-1167). A sleeping engine
+    runs no steps: its empty batch is not spare capacity.
+    """
+    awake = flags.get("awake")
+    if awake is None:
+        return None
+    if awake == 1:
+        return "awake"
+    if flags.get("discard_all") == 1:
+        return "discard_all"
+    if flags.get("weights_offloaded") == 1:
+        return "weights_offloaded"
+    return "kv_cache_released"
+
+
+def _usable(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+def _apply_sleep_state(scan: PageScan, selection: Selection, who_all: list[Identity]) -> None:
+    series = scan.samples.get(SLEEP_STATE, ())
+    for who in who_all:
+        flags = {labels["sleep_state"]: value for labels, value in series
+                 if "sleep_state" in labels and _usable(value) and _is_of(labels, who)}
+        state = sleep_state(flags)
+        if state is not None:
+            selection.values[who]["sleep_state"] = state
+
+
+def _is_of(labels: Labels, who: Identity) -> bool:
+    """A series of this identity: its model's, and its engine's or engine-less (the whole server's)."""
+    return labels.get("model_name", "") == who[0] and labels.get("engine", who[1]) == who[1]
+
+
+def _apply_admission_rejections(scan: PageScan, selection: Selection, who_all: list[Identity]) -> None:
+    """Requests the front end refused at --max-num-queued-reqs / --max-num-queued-tokens, summed over
+    the `reason` label, whose values split the refusals (0.32.0 vllm/v1/engine/async_llm.py l. 343-379,
+    loggers.py l. 847-859). The counter is the API server's, with no engine label: under data
+    parallelism it is one server-wide figure on every engine."""
+    series = scan.samples.get(ADMISSION_REJECTIONS, ())
+    engines_of = engines_per_model(who_all)
+    for who in who_all:
+        mine = [value for labels, value in series if _is_of(labels, who)]
+        if not mine:
+            continue
+        if not all(_usable(value) for value in mine):
+            selection.problems.append(f"{ADMISSION_REJECTIONS} for {who} has an unusable value: left out")
+            continue
+        selection.values[who]["admission_rejections_total"] = sum(mine) + 0.0
+        if engines_of[who[0]] > 1:
+            selection.server_wide[who].add("admission_rejections_total")
+
+
+def _finish(scan: PageScan, selection: Selection, who_all: list[Identity]) -> None:
+    _apply_cache_config(scan, selection, who_all)
+    _apply_sleep_state(scan, selection, who_all)
+    _apply_admission_rejections(scan, selection, who_all)
+
+
 ADAPTER = Adapter(
     kind="vllm",
     specs=SPECS,
     roles=EngineLabels(model=("model_name",), engine="engine"),
     not_offered=(("tokens_in_flight", "vLLM reports no used-token count: usage ratio x capacity"),),
-    extra_names=(CACHE_CONFIG,),
-    finish=_apply_cache_config,
+    extra_names=(CACHE_CONFIG, SLEEP_STATE, ADMISSION_REJECTIONS),
+    finish=_finish,
 )
