@@ -69,6 +69,11 @@ PER_TARGET: tuple[PerTarget, ...] = (
     PerTarget("stepbudget_requests_waiting", "gauge",
               "Requests waiting to be scheduled (vllm:num_requests_waiting)" + POLLED + ".",
               _field("requests_waiting")),
+    PerTarget("stepbudget_requests_waiting_for_capacity", "gauge",
+              "Of the waiting requests, those held back by scheduling capacity (batch slots, token budget, KV blocks), "
+              "not deferred for another reason (vllm:num_requests_waiting_by_reason{reason=\"capacity\"})"
+              + POLLED + ".",
+              _field("requests_waiting_for_capacity")),
     PerTarget("stepbudget_preemptions_total", "counter",
               "The server's own preemption counter (vllm:num_preemptions_total)" + POLLED + ".",
               _field("preemptions_total")),
@@ -78,6 +83,14 @@ PER_TARGET: tuple[PerTarget, ...] = (
     PerTarget("stepbudget_step_read_bytes", "gauge",
               "Predicted bytes one decode step reads per GPU: weights plus the KV cache of every running request.",
               _field("step_read_bytes")),
+    PerTarget("stepbudget_server_step_read_bytes", "gauge",
+              "The server's own estimate of bytes one step reads per GPU, mean over the last poll window "
+              "(vLLM --enable-mfu-metrics: vllm:estimated_read_bytes_per_gpu_total / engine steps).",
+              _field("server_step_read_bytes")),
+    PerTarget("stepbudget_step_read_bytes_ratio", "gauge",
+              "Our predicted bytes read per step over the last poll window / the server's own estimate "
+              "(docs/model.md says what each counts).",
+              _field("step_read_bytes_ratio")),
     PerTarget("stepbudget_predicted_step_seconds", "gauge",
               "Predicted decode step time: overhead + max(memory step, compute step), the mean over the window's mix "
               "of steps where the page gives it.",
@@ -108,6 +121,10 @@ PER_TARGET: tuple[PerTarget, ...] = (
     PerTarget("stepbudget_token_budget_utilization_ratio", "gauge",
               "Tokens in flight / token budget (over 1: the step is over budget).",
               _field("token_budget_utilization_ratio")),
+    PerTarget("stepbudget_engine_sleeping", "gauge",
+              "1 if the server says the engine sleeps (vllm:engine_sleep_state): no step is predicted or measured "
+              "for it and its KV occupancy is left out; 0 if awake.",
+              _field("engine_sleeping")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
 BANDWIDTH_HELP = ("Effective memory bandwidth the prediction uses, per GPU; label source: configured, calibrated, "

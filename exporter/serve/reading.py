@@ -28,14 +28,19 @@ IDLE_CONTEXT_TOKENS = 2000.0
 # The per-target values the collector exports (every stepbudget_<name> but target_up).
 VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
                 "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
-                "preemptions_total", "prefill_tokens_per_step", "step_read_bytes", "predicted_step_seconds",
+                "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step", "step_read_bytes",
+                "server_step_read_bytes", "step_read_bytes_ratio", "predicted_step_seconds",
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
                 "measured_step_median_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
-                "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio")
+                "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio", "engine_sleeping")
 # Values measured over the window between two polls: absent on a first poll, an idle window or a
 # counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
 WINDOW_FIELDS = ("measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio",
                  "prefill_tokens_per_step")
+# Values from families only some releases or server flags give (vLLM 0.32's waiting-by-reason and
+# sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
+OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
+                   "engine_sleeping")
 
 
 # Why an exported value is an estimate (the `reason` label of stepbudget_estimated_info).
@@ -62,9 +67,15 @@ class Reading:
     kv_cache_usage_ratio: float | None = None
     requests_running: float | None = None
     requests_waiting: float | None = None
+    # Of the waiting requests, those held back by scheduling capacity (not deferred for other reasons).
+    requests_waiting_for_capacity: float | None = None
     preemptions_total: float | None = None
     prefill_tokens_per_step: float | None = None
     step_read_bytes: float | None = None
+    # The server's own estimate of bytes read per step over the window, and ours over the same window
+    # divided by it (docs/model.md says what each counts).
+    server_step_read_bytes: float | None = None
+    step_read_bytes_ratio: float | None = None
     predicted_step_seconds: float | None = None
     predicted_memory_step_seconds: float | None = None
     predicted_compute_step_seconds: float | None = None
@@ -90,6 +101,15 @@ class Reading:
     prefill_mix: tuple[tuple[float, float], ...] | None = None
     # Exported values left out for a lasting reason (the page lacks them, or gives unusable numbers).
     lacking: tuple[str, ...] = field(default_factory=tuple)
+    # The server's word on the engine's sleep (Snapshot.sleep_state); None where the page does not say.
+    sleep_state: str | None = None
+
+    @property
+    def engine_sleeping(self) -> float | None:
+        """1 when the server says the engine sleeps, 0 when awake, None when its page does not say."""
+        if self.sleep_state is None:
+            return None
+        return 0.0 if self.sleep_state == "awake" else 1.0
 
     @property
     def labels(self) -> dict[str, str]:
@@ -130,13 +150,22 @@ def page_setup(setup: model.ServingSetup, kv_cache_dtype: str | None, block_size
     """The deployment's setup with the KV dtype and block size the server itself reports: the page
     knows what the server runs with, the config only what someone wrote down."""
     changes: dict[str, object] = {}
-    if kv_cache_dtype is not None and kv_cache_dtype.lower() in model.DTYPE_BYTES:
-        page_bytes = model.DTYPE_BYTES[kv_cache_dtype.lower()]
-        if page_bytes != setup.kv_bytes_per_element:
-            changes["kv_bytes_per_element"] = page_bytes
+    page_bytes = _page_kv_bytes(kv_cache_dtype, setup) if kv_cache_dtype is not None else None
+    if page_bytes is not None and page_bytes != setup.kv_bytes_per_element:
+        changes["kv_bytes_per_element"] = page_bytes
     if block_size_tokens is not None and block_size_tokens != setup.block_size_tokens:
         changes["block_size_tokens"] = block_size_tokens
     return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]  # changes: only int fields, mypy sees object
+
+
+def _page_kv_bytes(kv_cache_dtype: str, setup: model.ServingSetup) -> float | None:
+    """Bytes per KV element of a page's cache_dtype. vLLM's "auto" is the model's own dtype (0.32.0
+    vllm/utils/torch_utils.py l. 438-445): the weights' width where they are unquantized (a float32
+    model keeps a float32 cache), else the 16-bit activations a quantized model runs in."""
+    name = kv_cache_dtype.lower()
+    if name == "auto":
+        return max(setup.weight_bytes_per_param, model.UNQUANTIZED_BYTES_PER_PARAM)
+    return model.DTYPE_BYTES.get(name)
 
 
 @dataclass(frozen=True)
@@ -188,10 +217,11 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     setup = page_setup(predicting, snapshot.kv_cache_dtype, snapshot.block_size_tokens)
     running = _valid(snapshot.requests_running, "requests_running", notes)
     waiting = _valid(snapshot.requests_waiting, "requests_waiting", notes)
+    waiting_for_capacity = _valid(snapshot.requests_waiting_for_capacity, "requests_waiting_for_capacity", notes)
     occupancy = _occupancy(setup, snapshot, running, notes)
     tokens = occupancy.tokens_in_flight
 
-    measured_mean = measured_median = prefill = None
+    measured_mean = measured_median = prefill = server_bytes = None
     prefill_mix = None
     server_wide = "inter_token_latency" in snapshot.server_wide
     if window is not None:
@@ -200,7 +230,11 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
             measured_median = _valid(window.measured_step_median_seconds, "measured_step_median_seconds", notes)
         prefill = _valid(window.prefill_tokens_per_step, "prefill_tokens_per_step", notes)
         prefill_mix = window.prefill_mix
+        server_bytes = _valid(window.server_read_bytes_per_step, "server_step_read_bytes", notes)
         notes.extend(window.notes)
+        if window.admission_rejections:
+            notes.append(f"the server refused {window.admission_rejections:.0f} requests at its queue limits in "
+                         "the window: demand beyond what its tokens in flight show")
     if server_wide:
         notes.append("measured step: the page's ITL histogram is server-wide (no engine label): "
                      "exported on the server-wide series, against a server-wide prediction")
@@ -216,16 +250,18 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         scrape_duration_seconds=scrape_duration_seconds, last_success_timestamp_seconds=now_seconds,
         tokens_in_flight=tokens, kv_cache_capacity_tokens=occupancy.capacity_tokens,
         kv_cache_usage_ratio=occupancy.usage_ratio,
-        requests_running=running, requests_waiting=waiting,
+        requests_running=running, requests_waiting=waiting, requests_waiting_for_capacity=waiting_for_capacity,
         preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
-        prefill_tokens_per_step=prefill,
+        prefill_tokens_per_step=prefill, server_step_read_bytes=server_bytes,
         measured_step_seconds=measured_mean, measured_step_median_seconds=measured_median,
         step_budget_seconds=budget_seconds,
         effective_bandwidth_bytes_per_second=setup.effective_bandwidth_bytes_per_second,
         bandwidth_source=rates_source, kind=snapshot.kind,
         kv_cache_dtype=snapshot.kv_cache_dtype, block_size_tokens=setup.block_size_tokens,
-        estimated=occupancy.estimated,
+        estimated=occupancy.estimated, sleep_state=snapshot.sleep_state,
     )
+    if reading.engine_sleeping:
+        return _asleep(reading, snapshot, notes)
     if tokens is None or running is None:
         notes.append("predicted_step_seconds: needs tokens in flight and running requests")
         reading = replace(reading, token_budget_tokens=_token_budget(setup, budget_seconds, tokens, running),
@@ -238,9 +274,11 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         # The mean of the window's steps, not the step at the mean prefill (DESIGN §2).
         predicted = model.predict_mean_step(setup, groups, prefill_mix)
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
+    window_bytes = _window_read_bytes(setup, window, prediction, prefill or 0.0) if server_bytes else None
     reading = replace(
         reading,
         step_read_bytes=prediction.read_bytes,
+        step_read_bytes_ratio=window_bytes / server_bytes if window_bytes is not None and server_bytes else None,
         predicted_step_seconds=predicted,
         predicted_memory_step_seconds=prediction.memory_seconds,
         predicted_compute_step_seconds=prediction.compute_seconds,
@@ -252,6 +290,38 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         prefill_mix=tuple(prefill_mix) if prefill_mix else None,
     )
     return replace(reading, lacking=_lacking(reading, snapshot))
+
+
+def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
+    """A sleeping engine's reading: no batch to predict, no steps to measure, no KV cache to fill.
+
+    Its zero running requests, empty cache and still ITL would otherwise read as an idle engine with
+    its whole token budget free, while it serves nothing until woken (and sleep released its KV
+    memory). Those values are left out, so no step alert looks at it, and the sleep is exported.
+    """
+    notes.append(f"engine asleep (vllm:engine_sleep_state: {snapshot.sleep_state}): no prediction, no measured "
+                 "step, no KV occupancy until it wakes")
+    asleep = replace(reading, tokens_in_flight=None, kv_cache_capacity_tokens=None, kv_cache_usage_ratio=None,
+                     prefill_tokens_per_step=None, measured_step_seconds=None, measured_step_median_seconds=None,
+                     server_step_read_bytes=None, estimated=(), notes=tuple(notes))
+    return replace(asleep, lacking=_lacking(asleep, snapshot))
+
+
+def _window_read_bytes(setup: model.ServingSetup, window: Window | None, end: model.StepPrediction,
+                       prefill_tokens_per_step: float) -> float | None:
+    """Our bytes read per step over the window, to set beside the server's sum over the same steps:
+    the mean of our predictions at the window's two ends (exact where bytes grow linearly with the
+    tokens in flight, as they do while every request adds one token a step)."""
+    start = window.start if window is not None else None
+    if start is None:
+        return None
+    unused: list[str] = []  # the start's notes were said when it was the current poll
+    running = _valid(start.requests_running, "requests_running", unused)
+    tokens = _occupancy(setup, start, running, unused).tokens_in_flight
+    if tokens is None or running is None:
+        return None
+    first = model.predict_step(setup, model.groups_from_total(tokens, running), prefill_tokens_per_step)
+    return (first.read_bytes + end.read_bytes) / 2.0
 
 
 def server_wide_reading(readings: list[Reading], window: Window | None) -> Reading | None:
@@ -287,7 +357,7 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
 def _lacking(reading: Reading, snapshot: Snapshot) -> tuple[str, ...]:
     """Exported values absent for a reason that lasts: not the routine gaps of a window."""
     absent = [name for name in VALUE_FIELDS if _value_of(reading, name) is None]
-    routine = set(WINDOW_FIELDS)
+    routine = set(WINDOW_FIELDS) | set(OPTIONAL_FIELDS)
     if snapshot.inter_token_latency is None:
         routine -= {"measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio"}
     if snapshot.prompt_tokens_total is None or snapshot.engine_steps_total is None:

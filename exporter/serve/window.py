@@ -16,7 +16,8 @@ from exporter.serve.snapshot import Histogram, Snapshot
 
 _SUM_WOBBLE = 1e-9
 _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_tokens_cached_total",
-             "generation_tokens_total", "preemptions_total", "engine_steps_total")
+             "generation_tokens_total", "preemptions_total", "engine_steps_total", "server_read_bytes_total",
+             "admission_rejections_total")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class Window:
     # The window's mix of steps: (prefill tokens in the step, share of the steps), shares summing to
     # 1, from the iteration-tokens bucket deltas; None where the page has no such histogram.
     prefill_mix: tuple[tuple[float, float], ...] | None = None
+    # The server's own estimate of bytes read per step over the window (delta of vLLM's
+    # estimated_read_bytes_per_gpu_total / delta of engine steps); None where the page lacks it or
+    # the server does not estimate (its counter stands still while steps run).
+    server_read_bytes_per_step: float | None = None
+    # Requests the server's front end refused at its queue limits in the window.
+    admission_rejections: float | None = None
+    # The window's first snapshot: what the reading predicts the window's start with, so that our
+    # bytes per step are set beside the server's over the same steps.
+    start: Snapshot | None = None
 
 
 def histogram_quantile(quantile: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
@@ -164,16 +174,35 @@ def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[flo
     return steps, True
 
 
-def _prefill_per_step(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[float | None, bool]:
-    """Computed prompt tokens per engine step, and whether the step histogram is usable as a mix."""
-    steps, whole_steps = _steps(previous, current, notes)
+def _prefill_per_step(previous: Snapshot, current: Snapshot, steps: float | None, notes: list[str]
+                      ) -> float | None:
+    """Computed prompt tokens per engine step."""
     computed = _computed_prompt_tokens(previous, current, notes) if steps is not None else None
     if steps is None or computed is None:
         notes.append("no prompt-token or engine-step counter: prefill per step unknown (decode only)")
-        return None, False
+        return None
     if steps <= 0:
-        return None, False
-    return computed / steps, whole_steps
+        return None
+    return computed / steps
+
+
+def _server_read_bytes_per_step(previous: Snapshot, current: Snapshot, steps: float | None, notes: list[str]
+                                ) -> float | None:
+    """The server's own bytes read per step over the window.
+
+    vLLM adds each step's estimate once, to one front end only (0.32.0 vllm/v1/core/sched/scheduler.py
+    l. 2050-2052 and l. 2409-2418), so it is divided by the engine steps `_steps` gives. The family is
+    on every 0.32.0 page, but counts only with --enable-mfu-metrics (scheduler.py l. 419-421, loggers.py
+    l. 520): a counter that stands still while steps run is no estimate, not zero bytes.
+    """
+    read = _delta(previous, current, "server_read_bytes_total")
+    if read is None or steps is None or steps <= 0:
+        return None
+    if read <= 0:
+        notes.append("vllm:estimated_read_bytes_per_gpu_total stood still while the engine stepped "
+                     "(--enable-mfu-metrics off?): no server estimate of bytes per step")
+        return None
+    return read / steps
 
 
 def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float | None, notes: list[str]
@@ -270,8 +299,10 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         notes.append("no ITL histogram in one of the two polls: no measured step")
     else:
         mean, median, tokens = _step_times(before_h, now_h, notes)
-    prefill, whole_steps = _prefill_per_step(previous, current, notes)
-    mix = _prefill_mix(previous, current, prefill, notes) if whole_steps else None
+    steps, whole_steps = _steps(previous, current, notes)
+    prefill = _prefill_per_step(previous, current, steps, notes)
+    mix = _prefill_mix(previous, current, prefill, notes) if whole_steps and prefill is not None else None
+    server_bytes = _server_read_bytes_per_step(previous, current, steps, notes)
     return Window(
         measured_step_mean_seconds=mean,
         measured_step_median_seconds=median,
@@ -280,4 +311,7 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         counter_reset=False,
         notes=tuple(notes),
         prefill_mix=mix,
+        server_read_bytes_per_step=server_bytes,
+        admission_rejections=_delta(previous, current, "admission_rejections_total"),
+        start=previous,
     )
