@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from exporter.errors import InputError
 from exporter.suggest import close_names
-from exporter.units import parse_duration_seconds, parse_overhead_seconds, parse_size_bytes
+from exporter.units import (
+    parse_bandwidth_bytes_per_second,
+    parse_duration_seconds,
+    parse_flops_per_second,
+    parse_overhead_seconds,
+    parse_size_bytes,
+)
 
 if TYPE_CHECKING:
     from exporter.serve.config import Config
@@ -229,8 +235,13 @@ def boolean(value: Any, where: Where) -> bool:
 
 
 def bandwidth(value: Any, where: Where) -> float:
-    """Bytes per second: a number, or a size such as `2TB` (read as per second)."""
-    return size(value, where)
+    """Bytes per second: a number, or a rate such as `2TB/s` (`2TB` reads as per second too)."""
+    return _with_unit(parse_bandwidth_bytes_per_second, value)
+
+
+def flops(value: Any, where: Where) -> float:
+    """FLOP per second: a number such as `125e12`, or a rate such as `125TFLOP/s`."""
+    return _with_unit(parse_flops_per_second, value)
 
 
 def choice(*choices: str) -> Parser:

@@ -13,8 +13,20 @@ from jsonschema import Draft7Validator
 from exporter.errors import InputError
 from exporter.serve import config as config_module
 from exporter.serve.config import ConfigError, config_from_mapping
-from exporter.serve.config_schema import chart_config_schema, config_schema, parser_schema
-from exporter.units import DURATION_PATTERN, parse_duration_seconds, parse_overhead_seconds
+from exporter.serve.config_schema import (
+    BANDWIDTH_PATTERN,
+    FLOPS_PATTERN,
+    chart_config_schema,
+    config_schema,
+    parser_schema,
+)
+from exporter.units import (
+    DURATION_PATTERN,
+    parse_bandwidth_bytes_per_second,
+    parse_duration_seconds,
+    parse_flops_per_second,
+    parse_overhead_seconds,
+)
 
 VALUES_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "stepbudget" / "values.schema.json"
 
@@ -42,6 +54,10 @@ def test_an_unmapped_parser_fails_loudly() -> None:
         return value
     with pytest.raises(ValueError, match="_new_kind_of_value"):
         parser_schema(_new_kind_of_value)
+
+
+# NVIDIA A10 by its datasheet numbers.
+A10 = {"name": "a10", "memory": "24GB", "peak_bandwidth": "600GB/s", "peak_flops": "125TFLOP/s"}
 
 
 def _deployment(**overrides: object) -> dict:
@@ -77,6 +93,21 @@ DOCUMENTS = [
     ({"deployments": [_deployment(targets={"static": ["vllm:8000/metrics"]})]}, False),
     ({"log_format": "xml", "deployments": [_deployment()]}, False),
     ({"shard": {"index": 0}, "deployments": [_deployment()]}, False),
+    # A device by its numbers (or a preset with some replaced); rates may end with /s.
+    ({"deployments": [_deployment(gpu=A10)]}, True),
+    ({"deployments": [_deployment(gpu={**A10, "peak_bandwidth": 6e11, "peak_flops": "125e12"})]}, True),
+    ({"deployments": [_deployment(gpu={"preset": "h100-sxm", "peak_bandwidth": "2TB/s"})]}, True),
+    ({"deployments": [_deployment(gpu={**A10, "preset": None})]}, True),
+    ({"deployments": [_deployment(effective_bandwidth="2TB/s")]}, True),
+    ({"deployments": [_deployment(gpu={k: v for k, v in A10.items() if k != "peak_flops"})]}, False),
+    ({"deployments": [_deployment(gpu={k: v for k, v in A10.items() if k != "name"})]}, False),
+    ({"deployments": [_deployment(gpu={**A10, "peak_flops": None})]}, False),
+    ({"deployments": [_deployment(gpu={"preset": None, "peak_bandwidth": "2TB/s"})]}, False),
+    ({"deployments": [_deployment(gpu={**A10, "peak_bandwidth": -6e11})]}, False),
+    ({"deployments": [_deployment(gpu={**A10, "peak_bandwidth": "600GBs"})]}, False),
+    ({"deployments": [_deployment(gpu={**A10, "peak_flops": "125TB/s"})]}, False),
+    ({"deployments": [_deployment(gpu={**A10, "peak_flop": "125e12"})]}, False),
+    ({"deployments": [_deployment(gpu=["a10"])]}, False),
 ]
 
 
@@ -109,3 +140,25 @@ def test_malformed_durations_are_refused_by_both(text: str) -> None:
     with pytest.raises(InputError):
         parse_overhead_seconds(text)
     assert not re.search(DURATION_PATTERN, text)
+
+
+_RATES = {"bandwidth": (BANDWIDTH_PATTERN, parse_bandwidth_bytes_per_second),
+          "flops": (FLOPS_PATTERN, parse_flops_per_second)}
+
+
+@pytest.mark.parametrize(("rate", "text", "readable"), [
+    ("bandwidth", "600GB/s", True), ("bandwidth", "2TB", True), ("bandwidth", "2 tb/S", True),
+    ("bandwidth", "1GiB/s", True), ("bandwidth", "6e11", True),
+    ("bandwidth", "600GBs", False), ("bandwidth", "2TB/s/s", False), ("bandwidth", "/s", False),
+    ("flops", "125e12", True), ("flops", "125T", True), ("flops", "125TFLOPS", True), ("flops", "1.2TFLOP/s", True),
+    ("flops", "2.25 pflop/s", True), ("flops", "125TB/s", False), ("flops", "125 FLOPS/ms", False),
+    ("flops", "lots", False),
+])
+def test_rates_match_the_schema_pattern_exactly_when_readable(rate: str, text: str, readable: bool) -> None:
+    pattern, parse = _RATES[rate]
+    assert bool(re.search(pattern, text)) is readable
+    if readable:
+        parse(text)
+    else:
+        with pytest.raises(InputError):
+            parse(text)

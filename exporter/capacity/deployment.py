@@ -63,7 +63,7 @@ def _with_params(architecture: Architecture, params: float) -> Architecture:
 
 def build_setup(
     architecture: Architecture,
-    gpu: str,
+    gpu: str | Gpu,
     *,
     gpu_memory_bytes: float | None = None,
     tensor_parallel: int = 1,
@@ -82,8 +82,9 @@ def build_setup(
 ) -> ResolvedSetup:
     """Resolve presets and defaults. kv_cache_dtype "auto" follows the weights' activation dtype
     (16-bit), as vLLM's does; weight quantization never changes the KV term and vice versa.
-    `compute_flops_per_second` (a calibrated effective compute rate) replaces efficiency x peak."""
-    gpu_preset = get_gpu(gpu)
+    `compute_flops_per_second` (a calibrated effective compute rate) replaces efficiency x peak.
+    `gpu` is a preset name or a Gpu already resolved (a device given by its numbers: presets.device)."""
+    gpu_preset = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise InputError(f"tensor parallel must be a whole number of GPUs >= 1, got {tensor_parallel!r}")
     model.check_tensor_parallel(architecture, tensor_parallel)
@@ -123,7 +124,8 @@ def build_setup(
 
 
 def fit_bounds(resolved: ResolvedSetup) -> model.FitBounds:
-    """What a calibration of this setup may fit: bandwidth and compute up to the GPU's datasheet peaks."""
+    """What a calibration of this setup may fit: bandwidth and compute up to the GPU's peaks (its
+    datasheet's, or those given for a device by its numbers)."""
     return model.FitBounds(
         max_bandwidth_bytes_per_second=resolved.gpu.peak_bandwidth_bytes_per_second,
         max_compute_flops_per_second=resolved.gpu.peak_flops_for(resolved.setup.weight_bytes_per_param))

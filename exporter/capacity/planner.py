@@ -21,8 +21,14 @@ from exporter.capacity.deployment import ResolvedSetup, build_setup, load_archit
 from exporter.capacity.model import RequestGroup, ServingSetup, StepPrediction
 from exporter.capacity.pools import add_pools_arguments, loads_text
 from exporter.capacity.pools import run_if_asked as run_pools_if_asked
+from exporter.capacity.presets import CUSTOM_GPU, GPU_FIGURE_FLAGS, DeviceFigures, Gpu, device
 from exporter.errors import InputError
-from exporter.units import parse_overhead_seconds, parse_size_bytes
+from exporter.units import (
+    parse_bandwidth_bytes_per_second,
+    parse_flops_per_second,
+    parse_overhead_seconds,
+    parse_size_bytes,
+)
 
 DEFAULT_MODEL = "qwen3-8b"
 DEFAULT_GPU = "h100-sxm"
@@ -87,8 +93,15 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and GPU")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"model preset or path to a Hugging Face config.json (default {DEFAULT_MODEL})")
-    group.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU preset (default {DEFAULT_GPU})")
-    group.add_argument("--gpu-memory", help="GPU memory, overrides the preset's: bytes or 80GB, 40GiB (MIG slices)")
+    group.add_argument("--gpu", default=DEFAULT_GPU,
+                       help=f"GPU preset (default {DEFAULT_GPU}), or `{CUSTOM_GPU}`: a device given by "
+                            "--gpu-memory, --gpu-bandwidth and --gpu-flops (all three then required)")
+    group.add_argument("--gpu-memory", help="GPU memory, overrides the preset's (MIG slices): bytes or 80GB, 40GiB")
+    group.add_argument("--gpu-bandwidth",
+                       help="peak memory bandwidth, overrides the preset's: bytes/s or 600GB/s, 2TB/s")
+    group.add_argument("--gpu-flops",
+                       help="peak dense FLOP/s, overrides the preset's, one figure for every precision: "
+                            "125e12 or 125TFLOP/s")
     group.add_argument("--params",
                        help="total parameter count, overrides the preset's or the computed one (8.19e9, 8.19B)")
     group.add_argument("--tp", default="1", help="tensor-parallel GPUs per replica (default 1)")
@@ -103,7 +116,7 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default 0: capacity is an upper bound)")
     rates = parser.add_argument_group("rates")
     rates.add_argument("--bandwidth",
-                       help="effective memory bandwidth in bytes/s (e.g. 2.01e12 or 2TB); "
+                       help="effective memory bandwidth in bytes/s (e.g. 2.01e12 or 2TB/s); "
                             "overrides --bandwidth-efficiency")
     rates.add_argument("--bandwidth-efficiency", default=str(model.DEFAULT_BANDWIDTH_EFFICIENCY),
                        help="share of the datasheet bandwidth reached (default 0.6)")
@@ -128,6 +141,19 @@ def _parse_fraction(text: str, flag: str) -> float:
     return value
 
 
+def gpu_from_args(args: argparse.Namespace) -> Gpu:
+    """`--gpu` with the figure flags: a preset with the given figures replacing its own, or `custom`."""
+    memory_flag, bandwidth_flag, flops_flag = GPU_FIGURE_FLAGS
+    figures = DeviceFigures(
+        memory_bytes=parse_size_bytes(args.gpu_memory, memory_flag) if args.gpu_memory else None,
+        peak_bandwidth_bytes_per_second=(parse_bandwidth_bytes_per_second(args.gpu_bandwidth, bandwidth_flag)
+                                         if args.gpu_bandwidth else None),
+        peak_flops_per_second=parse_flops_per_second(args.gpu_flops, flops_flag) if args.gpu_flops else None,
+        names=GPU_FIGURE_FLAGS,
+    )
+    return device(args.gpu, figures, custom_what=f"--gpu {CUSTOM_GPU}")
+
+
 def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool = False) -> ResolvedSetup:
     """Turn the shared flags into a ResolvedSetup; every bad value raises InputError naming its flag."""
     params = parse_param_count(args.params) if args.params else None
@@ -136,14 +162,14 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
     model.check_tensor_parallel(architecture, tensor_parallel, "--tp")  # build_setup checks it too, without the flag
     return build_setup(
         architecture,
-        args.gpu,
-        gpu_memory_bytes=parse_size_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
+        gpu_from_args(args),
         tensor_parallel=tensor_parallel,
         weight_dtype=args.weight_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=_parse_fraction(args.gpu_memory_utilization, "--gpu-memory-utilization"),
         reserved_memory_bytes=parse_reserved_bytes(args.reserved_memory),
-        bandwidth_bytes_per_second=parse_size_bytes(args.bandwidth, "--bandwidth") if args.bandwidth else None,
+        bandwidth_bytes_per_second=(parse_bandwidth_bytes_per_second(args.bandwidth, "--bandwidth")
+                                    if args.bandwidth else None),
         bandwidth_is_calibrated=bandwidth_is_calibrated,
         bandwidth_efficiency=_parse_fraction(args.bandwidth_efficiency, "--bandwidth-efficiency"),
         compute_efficiency=_parse_fraction(args.compute_efficiency, "--compute-efficiency"),

@@ -3,10 +3,15 @@
 Models carry the architecture fields of their Hugging Face `config.json` and the published total
 parameter count. GPUs carry datasheet peaks: memory in decimal bytes as the datasheet prints it
 (80 GB = 80e9), bandwidth in bytes/s, dense (non-sparse) tensor FLOP/s per precision.
+
+A device not in the table (a CPU host, an A10, a MIG slice with its own bandwidth) is given by its
+numbers instead (`device`): the same Gpu, built from the figures the user gives, so every later step
+(the setup, the fit's bounds) cannot tell it from a preset.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from exporter.capacity.model import Architecture
@@ -25,7 +30,11 @@ class Gpu:
 
     def peak_flops_for(self, weight_dtype_bytes: float) -> float:
         """Peak for the precision the matmuls run in: fp8 weights use fp8 tensor cores where the
-        chip has them; int4 weights (AWQ/GPTQ) are dequantized and multiply in 16-bit."""
+        chip has them; int4 weights (AWQ/GPTQ) are dequantized and multiply in 16-bit.
+
+        A device given by its numbers (or a preset whose FLOP/s was given) holds one figure, under
+        "bf16" alone, so that figure is the peak for every precision: the user gave one number, and
+        guessing an fp8 multiple for an unknown chip would be inventing a datasheet."""
         if weight_dtype_bytes == 1.0 and "fp8" in self.peak_flops_per_second:
             return self.peak_flops_per_second["fp8"]
         return self.peak_flops_per_second["bf16"]
@@ -111,8 +120,80 @@ MODELS: dict[str, Architecture] = {
 def get_gpu(name: str) -> Gpu:
     key = name.strip().lower()
     if key not in GPUS:
-        raise InputError(f"unknown GPU preset {name!r}{close_names(key, GPUS)}; known: {', '.join(GPUS)}")
+        raise InputError(f"unknown GPU preset {name!r}{close_names(key, GPUS)}; known: {', '.join(GPUS)} "
+                         "(or give the device by its numbers: docs/operations.md)")
     return GPUS[key]
+
+
+# `--gpu custom`: the device is wholly the figures given with it (and its name, this, unless one is given).
+CUSTOM_GPU = "custom"
+# The config keys that give a device's figures (`gpu: {memory, peak_bandwidth, peak_flops}`), and the flags
+# that do (`plan`, `calibrate`, `serve`), both in DeviceFigures' order.
+FIGURE_KEYS = ("memory", "peak_bandwidth", "peak_flops")
+GPU_FIGURE_FLAGS = ("--gpu-memory", "--gpu-bandwidth", "--gpu-flops")
+# The precision key a one-figure device keeps its FLOP/s under; peak_flops_for falls back to it.
+_ONE_FIGURE_PRECISION = "bf16"
+
+
+def is_custom_gpu(name: str) -> bool:
+    return _preset_key(name) == CUSTOM_GPU
+
+
+def require_figures(given: Mapping[str, object | None], what: str) -> None:
+    """Every figure a device by numbers needs is given; else one message naming all that are missing,
+    spelled as the user writes them (config keys or flags)."""
+    if any(value is None for value in given.values()):
+        raise _missing_figures(given, what)
+
+
+def _missing_figures(given: Mapping[str, object | None], what: str) -> InputError:
+    missing = [name for name, value in given.items() if value is None]
+    return InputError(f"{what} needs {', '.join(given)}; missing {', '.join(missing)}")
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """A device's peaks given by number (None: not given), with the names they were given by, so a
+    missing one is named as the user knows it: config keys by default, or the flags."""
+
+    memory_bytes: float | None = None
+    peak_bandwidth_bytes_per_second: float | None = None
+    peak_flops_per_second: float | None = None
+    names: tuple[str, str, str] = FIGURE_KEYS
+
+    def by_name(self) -> dict[str, float | None]:
+        values = (self.memory_bytes, self.peak_bandwidth_bytes_per_second, self.peak_flops_per_second)
+        return dict(zip(self.names, values, strict=True))
+
+    def complete(self, what: str) -> tuple[float, float, float]:
+        """Memory, bandwidth and FLOP/s, each required: the InputError names every one missing."""
+        memory, bandwidth, flops = self.memory_bytes, self.peak_bandwidth_bytes_per_second, self.peak_flops_per_second
+        if memory is None or bandwidth is None or flops is None:
+            raise _missing_figures(self.by_name(), what)
+        return memory, bandwidth, flops
+
+
+def device(preset: str, figures: DeviceFigures, *, name: str | None = None,
+           custom_what: str = CUSTOM_GPU) -> Gpu:
+    """`preset` with each given figure replacing its own (a MIG slice, a clocked-down part), or, for
+    `custom`, a device wholly by its figures, every one of them then required (`custom_what` says in
+    the message what asked for them). A FLOP/s figure is one number for every precision
+    (Gpu.peak_flops_for)."""
+    if is_custom_gpu(preset):
+        memory_bytes, bandwidth_bytes_per_second, flops_per_second = figures.complete(custom_what)
+        return Gpu(name or CUSTOM_GPU, memory_bytes, bandwidth_bytes_per_second,
+                   {_ONE_FIGURE_PRECISION: flops_per_second}, "given by its numbers")
+    base = get_gpu(preset)
+    flops = (None if figures.peak_flops_per_second is None
+             else {_ONE_FIGURE_PRECISION: figures.peak_flops_per_second})
+    given = [key for key, value in figures.by_name().items() if value is not None]
+    return Gpu(
+        name=name or base.name,
+        memory_bytes=figures.memory_bytes or base.memory_bytes,
+        peak_bandwidth_bytes_per_second=figures.peak_bandwidth_bytes_per_second or base.peak_bandwidth_bytes_per_second,
+        peak_flops_per_second=flops or base.peak_flops_per_second,
+        source=base.source + (f"; {', '.join(given)} given" if given else ""),
+    )
 
 
 def _preset_key(name: str) -> str:

@@ -29,7 +29,15 @@ from exporter.admission.sections import ADMISSION_SECTION, POOLS_SECTION
 from exporter.capacity import model
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.capacity.model import Architecture, ServingSetup
-from exporter.capacity.presets import get_gpu
+from exporter.capacity.presets import (
+    CUSTOM_GPU,
+    FIGURE_KEYS,
+    DeviceFigures,
+    Gpu,
+    device,
+    get_gpu,
+    require_figures,
+)
 from exporter.config_validators import (
     REQUIRED,
     ConfigError,
@@ -46,6 +54,7 @@ from exporter.config_validators import (
     choice,
     duration,
     existing_file,
+    flops,
     list_of,
     non_negative,
     non_negative_seconds,
@@ -75,11 +84,13 @@ __all__ = [
     "CALIBRATION_NUMBERS",
     "CALIBRATION_REQUIRED_KEYS",
     "CORE_KEYS",
+    "CUSTOM_DEVICE_KEYS",
     "DEFAULTS_KEYS",
     "DEFAULT_MAX_RESPONSE_BYTES",
     "DEFAULT_PROMETHEUS_RESPONSE_BYTES",
     "DEPLOYMENT_KEYS",
     "DNS_KEYS",
+    "GPU_KEYS",
     "KUBERNETES_KEYS",
     "LOG_FORMATS",
     "PROMETHEUS_KEYS",
@@ -106,6 +117,9 @@ __all__ = [
     "config_from_mapping",
     "daemon_sections",
     "empty_document",
+    "gpu_check",
+    "gpu_device",
+    "gpu_preset",
     "listen_address",
     "load_config",
     "parse_listen",
@@ -225,12 +239,56 @@ DEFAULTS_KEYS: Table = {
     "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
                               "online calibration for every deployment (docs/operations.md)"),
 }
+
+
+def gpu_preset(value: Any, where: Where) -> str:
+    """The name of a GPU preset that exists (the error lists them, and the near miss)."""
+    return get_gpu(string(value, where)).name
+
+
+GPU_KEYS: Table = {
+    "name": Key(string, None, "the device's name, the `gpu` label (required without `preset`; default the preset's)"),
+    "preset": Key(gpu_preset, None, "a GPU preset whose figures the keys given here replace; absent: the device "
+                                    "is wholly these figures"),
+    "memory": Key(size, None, "memory per device, e.g. `24GB`, `64GiB`"),
+    "peak_bandwidth": Key(bandwidth, None, "peak memory bandwidth per device, e.g. `600GB/s`, `2TB/s` or bytes/s"),
+    "peak_flops": Key(flops, None, "peak dense FLOP/s per device, one figure for every precision, e.g. "
+                                   "`125TFLOP/s` or `125e12`"),
+}
+# What a device without a preset must give: the whole device (its name is its `gpu` label).
+CUSTOM_DEVICE_KEYS = ("name", *FIGURE_KEYS)
+
+
+def gpu_check(result: dict[str, Any], where: Where) -> None:
+    """Without `preset` nothing supplies a missing figure, so every one (and the name) must be given."""
+    if result["preset"] is None:
+        try:
+            require_figures({key: result[key] for key in CUSTOM_DEVICE_KEYS}, "a device without `preset`")
+        except InputError as error:
+            raise Invalid(str(error)) from None
+
+
+def gpu_device(value: Any, where: Where) -> Gpu:
+    """`gpu`: a preset name, or a mapping of GPU_KEYS: a device by its numbers, or a preset with
+    some of them replaced. Either way a Gpu, so the setup and the fit's bounds take it as a preset."""
+    if isinstance(value, str):
+        return get_gpu(gpu_preset(value, where))
+    if not isinstance(value, dict):
+        raise Invalid(f"expected a GPU preset's name or a mapping of {', '.join(CUSTOM_DEVICE_KEYS)} "
+                      f"(and `preset`), got {type(value).__name__} {value!r}")
+    given = section(GPU_KEYS, check=gpu_check)(value, where)
+    figures = DeviceFigures(given["memory"], given["peak_bandwidth"], given["peak_flops"])
+    return device(given["preset"] or CUSTOM_GPU, figures, name=given["name"])
+
+
 DEPLOYMENT_KEYS: Table = {
     "name": Key(string, REQUIRED, "deployment name (the `deployment` label)"),
     "model": Key(string, REQUIRED, "model preset name or path to a Hugging Face config.json"),
     "params": Key(positive, None, "total parameter count, overriding the preset's"),
-    "gpu": Key(string, REQUIRED, "GPU preset name"),
-    "gpu_memory": Key(size, None, "GPU memory, overriding the preset's (e.g. `80GB`, a MIG slice)"),
+    "gpu": Key(gpu_device, REQUIRED, "GPU preset name, or the device by its numbers: a mapping of `name`, `memory`, "
+                                     "`peak_bandwidth`, `peak_flops` (with `preset`: those given replace the "
+                                     "preset's)"),
+    "gpu_memory": Key(size, None, "GPU memory, overriding the device's (e.g. `80GB`, a MIG slice)"),
     "tensor_parallel": Key(whole_positive, 1, "GPUs per replica"),
     "weight_dtype": Key(string, None, "weight dtype: bf16, fp16, fp8, int8, int4, awq, gptq (default: the checkpoint's "
                                       "quantization_config, else bf16)"),
@@ -377,7 +435,7 @@ class PrometheusTargets:
 class Deployment:
     name: str
     model: str
-    gpu: str
+    gpu: str  # the device's name (a preset's, or the one given with its numbers); the device is resolved.gpu
     tensor_parallel: int
     kv_cache_dtype: str
     kind: str  # the servers' page format: auto | vllm | sglang | tgi
@@ -544,7 +602,6 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
             raise where.child(key, lines.get(key)).error(str(error)) from None
 
     architecture: Architecture = at_key("model", lambda: load_architecture(raw["model"], raw["params"]))
-    at_key("gpu", lambda: get_gpu(raw["gpu"]))
     at_key("tensor_parallel", lambda: model.check_tensor_parallel(architecture, raw["tensor_parallel"]))
     try:
         resolved = build_setup(
@@ -568,7 +625,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
     auth, tls = raw["auth"], raw["tls"]
     deployment_auth, deployment_tls = Auth(**auth) if auth else Auth(), Tls(**tls) if tls else Tls()
     return Deployment(
-        name=raw["name"], model=raw["model"], gpu=raw["gpu"], tensor_parallel=raw["tensor_parallel"],
+        name=raw["name"], model=raw["model"], gpu=raw["gpu"].name, tensor_parallel=raw["tensor_parallel"],
         kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"],
         target_tokens_per_second=raw["target_tokens_per_second"] or defaults["target_tokens_per_second"],
         headroom=raw["headroom"] or defaults["headroom"],

@@ -18,28 +18,39 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from exporter import config_validators
 from exporter.serve import config
-from exporter.units import DURATION_PATTERN, SIZE_UNITS
+from exporter.units import DURATION_PATTERN, FLOPS_UNITS, PER_SECOND_SUFFIX, SIZE_UNITS
 
 NUMBER_TEXT = r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$"
 
 
 def _case_insensitive(unit: str) -> str:
-    return "".join(f"[{c.lower()}{c.upper()}]" for c in unit)
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in unit)
 
 
-SIZE_PATTERN = (r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:"
-                + "|".join(_case_insensitive(u) for u in sorted(SIZE_UNITS, key=len, reverse=True) if u)
-                + r")?\s*$")
+def _unit_pattern(units: dict[str, int] | dict[str, float], *, per_second: bool = False) -> str:
+    """A number with one of `units` (any case), as units.py reads it; a rate may end with `/s`."""
+    suffix = rf"\s*(?:{_case_insensitive(PER_SECOND_SUFFIX)})?" if per_second else ""
+    return (r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:"
+            + "|".join(_case_insensitive(u) for u in sorted(units, key=len, reverse=True) if u)
+            + rf")?{suffix}\s*$")
+
+
+SIZE_PATTERN = _unit_pattern(SIZE_UNITS)
+BANDWIDTH_PATTERN = _unit_pattern(SIZE_UNITS, per_second=True)
+FLOPS_PATTERN = _unit_pattern(FLOPS_UNITS, per_second=True)
 
 _NON_EMPTY = {"type": "string", "pattern": r"\S"}
 _POSITIVE = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": NUMBER_TEXT}]}
 _SIZE = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}]}
+_BANDWIDTH = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": BANDWIDTH_PATTERN}]}
+_FLOPS = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": FLOPS_PATTERN}]}
 _DURATION = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": DURATION_PATTERN}]}
 _URL = {"type": "string", "pattern": r"^\s*https?://"}
 
@@ -50,7 +61,9 @@ PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
     "existing_file": _NON_EMPTY,  # existence is checked by check-config, where the file is
     "duration": _DURATION,
     "size": _SIZE,
-    "bandwidth": _SIZE,
+    "bandwidth": _BANDWIDTH,
+    "flops": _FLOPS,
+    "gpu_preset": _NON_EMPTY,  # that the preset exists is checked by check-config, which has the table
     "positive": _POSITIVE,
     "non_negative_seconds": {"anyOf": [{"type": "number", "minimum": 0},
                                        {"type": "string", "pattern": DURATION_PATTERN}]},
@@ -81,6 +94,12 @@ def _check_schema(check: Callable[..., Any] | None) -> dict[str, Any]:
     if _name(check) == "targets_check":
         # check-config also refuses prometheus given with another source; the schema asks for one.
         return {"anyOf": [{"required": [name]} for name in ("static", "dns", "kubernetes", "prometheus")]}
+    if _name(check) == "gpu_check":
+        # A device without a preset gives every figure; `preset: null` is no preset.
+        given = {"not": {"type": "null"}}
+        custom = list(config.CUSTOM_DEVICE_KEYS)
+        return {"anyOf": [{"required": ["preset"], "properties": {"preset": given}},
+                          {"required": custom, "properties": dict.fromkeys(custom, given)}]}
     if _name(check) == "one_of_keys":
         names = inspect.getclosurevars(check).nonlocals["names"]
         given = {"not": {"type": "null"}}
@@ -104,6 +123,9 @@ def parser_schema(parse: Callable[..., Any]) -> dict[str, Any]:
         return {**schema, "minItems": 1} if captured["non_empty"] else schema
     if name == "section":
         return table_schema(captured["table"], captured["check"])
+    if name == "gpu_device":
+        # A preset's name, or a mapping of GPU_KEYS (gpu_device builds the Gpu from either).
+        return {"anyOf": [_NON_EMPTY, table_schema(config.GPU_KEYS, config.gpu_check)]}
     raise ValueError(f"no JSON schema for the config parser {parse.__qualname__}: "
                      "add it to exporter/serve/config_schema.py")
 

@@ -23,6 +23,7 @@ import structlog
 
 from exporter import __version__
 from exporter.admission import wiring as admission
+from exporter.capacity.presets import CUSTOM_GPU, FIGURE_KEYS, GPU_FIGURE_FLAGS, is_custom_gpu, require_figures
 from exporter.errors import InputError
 from exporter.logs import configure_logging
 from exporter.serve.alerting import AlertLoop
@@ -109,7 +110,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="a metrics URL to poll (repeatable); with --model and --gpu, no config file needed")
     parser.add_argument("--deployment", default="default", help="deployment name for --target (default: default)")
     parser.add_argument("--model", help="model preset or config.json for --target")
-    parser.add_argument("--gpu", help="GPU preset for --target")
+    parser.add_argument("--gpu", help=f"GPU preset for --target, or `{CUSTOM_GPU}`: a device given by "
+                                      "--gpu-memory, --gpu-bandwidth and --gpu-flops (all three then required)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="the device's memory for --target, e.g. 24GB "
+                                                             "(overrides the preset's)")
+    parser.add_argument("--gpu-bandwidth", metavar="RATE", help="the device's peak memory bandwidth for --target, "
+                                                                "e.g. 600GB/s (overrides the preset's)")
+    parser.add_argument("--gpu-flops", metavar="RATE", help="the device's peak dense FLOP/s for --target, one figure "
+                                                            "for every precision, e.g. 125e12 (overrides the preset's)")
     parser.add_argument("--tensor-parallel", type=int, help="GPUs per replica for --target")
     parser.add_argument("--kind", choices=("auto", "vllm", "sglang", "tgi"),
                         help="the servers' page format for --target")
@@ -143,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.target:
         if not args.model or not args.gpu:
             raise InputError("--target needs --model and --gpu (or put the deployment in --config)")
-        deployment: dict[str, Any] = {"name": args.deployment, "model": args.model, "gpu": args.gpu,
+        deployment: dict[str, Any] = {"name": args.deployment, "model": args.model, "gpu": gpu_from_flags(args),
                                       "targets": {"static": list(args.target)}}
         for flag, key in (("tensor_parallel", "tensor_parallel"), ("kind", "kind"),
                           ("target_tps", "target_tokens_per_second")):
@@ -160,6 +168,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if getattr(args, "shard", None) is not None:
         document["shard"] = shard_section(parse_shard(args.shard))
     return config_from_mapping(document, args.config or "")
+
+
+def gpu_from_flags(args: argparse.Namespace) -> str | dict[str, Any]:
+    """`--gpu` and its figure flags as the config's `gpu` value: a preset's name, the preset with the
+    figures given replacing its own, or (`custom`) the device wholly by its figures, which must all be given.
+    The figures stay text: the config's validators read them, as they read every other flag."""
+    figures = dict(zip(FIGURE_KEYS, (args.gpu_memory, args.gpu_bandwidth, args.gpu_flops), strict=True))
+    if is_custom_gpu(args.gpu):
+        require_figures(dict(zip(GPU_FIGURE_FLAGS, figures.values(), strict=True)), f"--gpu {CUSTOM_GPU}")
+        return {"name": CUSTOM_GPU, **figures}
+    given = {key: value for key, value in figures.items() if value is not None}
+    return {"preset": args.gpu, **given} if given else str(args.gpu)
 
 
 # --- wiring ----------------------------------------------------------------------------------------
