@@ -19,7 +19,11 @@ from hypothesis import strategies as st
 from exporter.serve.engines import read_page
 from exporter.serve.snapshot import Histogram, Snapshot
 from exporter.serve.window import compute_window, histogram_quantile
+from exporter.simulator import Simulator
+from tests.support.simulated_polls import simulated_polls
+from tests.support.simulator import SPEC, true_mean_step_seconds
 from tests.support.tools import require_tool
+from tests.test_simulator_tracking import _deployment as calibrated_deployment
 
 EDGES = ("0.01", "0.025", "0.05")
 
@@ -203,3 +207,59 @@ def test_a_sum_wobbling_in_its_last_bits_is_not_a_restart() -> None:
     window = compute_window(before, after)
     assert window.counter_reset is False
     assert window.measured_step_mean_seconds is None  # idle: no new observations
+
+
+def test_a_request_prefilling_in_chunks_beside_one_decoding_is_not_a_second_api_server() -> None:
+    """One stream decoding while 8,000-token prompts (one output token each) queue behind it: every
+    step carries the stream's token and a 2,048-token chunk (max_num_batched_tokens 2,048 - 1), with
+    2 requests running and 1 ITL observation per step. Reading the ITL per running request as the
+    steps (as before) halved them: ~4,090 prefill tokens per step, the mix dropped, 140 ms predicted
+    against a measured 73 ms."""
+    sim = Simulator(SPEC, record_steps=True)
+    sim.submit(200, 100_000)
+    for _ in range(150):
+        sim.submit(8000, 1)
+    polls = list(simulated_polls(sim, calibrated_deployment(), 10.0, 40.0))
+    for poll in polls[1:]:  # the first poll has no window; the prompts last until ~45 s
+        reading = poll.reading
+        true_prefill = sum(s.prefill_tokens for s in poll.steps) / len(poll.steps)
+        assert true_prefill == pytest.approx(2047, abs=1)  # 2,048 - the decoding stream's token
+        assert {s.running for s in poll.steps} == {2}
+        assert not any("several API servers" in note for note in reading.notes)
+        # Prompts are counted when their last chunk finishes: a window holds 34-35 of them, +-1 in 35.
+        assert reading.prefill_tokens_per_step == pytest.approx(true_prefill, rel=0.05)
+        assert reading.prefill_mix is not None
+        measured = true_mean_step_seconds(poll.steps)
+        assert measured is not None and reading.measured_step_seconds == pytest.approx(measured)
+        assert reading.predicted_step_seconds == pytest.approx(measured, rel=0.1)
+
+
+def test_several_api_servers_are_still_told_apart_while_a_prompt_prefills_in_chunks() -> None:
+    # 100 steps of 40 decoding requests and one prompt prefilling 2,048 tokens a step (10 prompts of
+    # 20,480 finish: 10 first tokens); two API servers each observe every step: 200 observations.
+    def snapshot(steps: float, itl: float, computed: float, generated: float) -> Snapshot:
+        return Snapshot(kind="vllm", model_name="m", engine="0", requests_running=41,
+                        prompt_tokens_computed_total=computed, generation_tokens_total=generated,
+                        engine_steps_total=steps,
+                        inter_token_latency=Histogram(((0.05, itl), (math.inf, itl)), itl, itl * 0.02))
+
+    before = snapshot(0, 0, 0, 0)
+    window = compute_window(before, snapshot(200, 4000, 204_800, 4010))
+    # At most min((4,000 + 10 + 204,800) / 41, (4,000 + 10) / 40) = 100.25 steps: 200 > 1.8 x 100.25.
+    assert any("several API servers" in note for note in window.notes)
+    assert window.prefill_tokens_per_step == pytest.approx(204_800 / (4000 / 41))
+    one_server = compute_window(before, snapshot(100, 4000, 204_800, 4010))
+    assert one_server.prefill_tokens_per_step == pytest.approx(2048)
+    assert not any("several API servers" in note for note in one_server.notes)
+
+
+def test_the_real_16_stream_window_counts_its_steps_once() -> None:
+    """vLLM 0.32.0's own pages 10 s apart, 16 streams decoding (tests/data/vllm-0.32.0-cpu/README.md):
+    181 steps, 2,896 ITL observations = 16 x 181."""
+    data = Path(__file__).parent / "data" / "vllm-0.32.0-cpu"
+    (before,) = read_page((data / "vllm-0.32.0-cpu_REAL_16streams_t0.prom").read_text()).snapshots
+    (after,) = read_page((data / "vllm-0.32.0-cpu_REAL_16streams_t1.prom").read_text()).snapshots
+    window = compute_window(before, after)
+    assert window.tokens_generated == 2896
+    assert not any("several API servers" in note for note in window.notes)
+    assert window.prefill_tokens_per_step == 0.0

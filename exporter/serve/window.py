@@ -153,10 +153,12 @@ def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[flo
     """Engine steps in the window, and whether each iteration-tokens observation is a whole step.
 
     With --api-server-count N > 1 every API server observes vllm:iteration_tokens_total for its own
-    requests' outputs of a step (0.33.0 vllm/v1/engine/async_llm.py l. 883-934; outputs are split by
-    client, vllm/v1/core/sched/scheduler.py l. 2511), so _count over-counts steps up to N times and
-    each observation is a share; nothing on the page says N. One ITL observation per decoding
-    request per step gives a second count: ITL observations / running requests.
+    requests' outputs of a step (0.32.0 vllm/v1/engine/async_llm.py l. 850-853 and 899, loggers.py
+    l. 1273: one observation per batch of outputs a front end receives, none for a step without
+    outputs; outputs are split by client, vllm/v1/core/sched/scheduler.py l. 2263 and 2388-2391), so
+    _count over-counts steps up to N times and each observation is a share; nothing on the page says
+    N. One ITL observation per decoding request per step bounds the steps the other way
+    (`_most_steps`).
     """
     steps = _delta(previous, current, "engine_steps_total")
     itl_before, itl_now = previous.inter_token_latency, current.inter_token_latency
@@ -164,14 +166,41 @@ def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[flo
     if steps is None or steps <= 0 or itl_before is None or itl_now is None or len(running) < 2:
         return steps, True
     observations = itl_now.count - itl_before.count
-    steps_from_itl = observations / (sum(running) / len(running))
-    # Detect against the fewest running requests seen (the most steps the ITL allows), so a batch
-    # that shrank inside the window is not taken for several API servers.
-    if steps_from_itl > 0 and steps > _STEP_OVERCOUNT * observations / min(running):
-        notes.append(f"vllm:iteration_tokens_total counted {steps:.0f} steps where the ITL implies "
-                     f"{steps_from_itl:.0f} (several API servers?): steps taken from ITL / running")
+    most = _most_steps(previous, current, observations, min(running))
+    if observations > 0 and steps > _STEP_OVERCOUNT * most:
+        steps_from_itl = observations / (sum(running) / len(running))
+        notes.append(f"vllm:iteration_tokens_total counted {steps:.0f} steps where the ITL allows at most "
+                     f"{most:.0f} (several API servers?): steps taken from ITL / running")
         return steps_from_itl, False
     return steps, True
+
+
+def _most_steps(previous: Snapshot, current: Snapshot, itl_observations: float, fewest_running: float) -> float:
+    """The most engine steps one front end's counters allow in the window.
+
+    Every running request is, in each step, either decoding (one ITL observation: 0.32.0
+    vllm/v1/metrics/stats.py l. 548-552) or prefilling, which observes no ITL: a chunk that does
+    not finish its prompt emits no output at all (scheduler.py l. 2200-2202 and 2289), and the
+    chunk that finishes it emits the first token, counted in vllm:generation_tokens_total but
+    observed as a TTFT (stats.py l. 516-523). So, with R the fewest running requests seen and S the
+    steps, R x S - ITL is the request-steps spent prefilling, which are
+      * the chunks that finish a prompt: one per first token, generation tokens - ITL observations
+        (an upper bound where a step yields several tokens, as under speculative decoding), plus
+      * the chunks that do not: each computes at least one prompt token (at most the computed prompt
+        tokens), and at most one per step, since such a chunk is cut by the step's token budget,
+        which then runs out (scheduler.py l. 659 and 708-712; 0.32.0's default
+        long_prefill_token_threshold 0, vllm/config/scheduler.py l. 79).
+    Reading R as decoding requests only (the ITL per running request) takes a request prefilling in
+    chunks beside one decoding for two front ends, and halves the steps.
+    """
+    generated = _delta(previous, current, "generation_tokens_total")
+    computed = _computed_prompt_tokens(previous, current, [])
+    first_tokens = max(0.0, generated - itl_observations) if generated is not None else 0.0
+    # The prompt tokens bound the prefilling request-steps too: none in a decode-only window.
+    most = (itl_observations + first_tokens + (computed or 0.0)) / fewest_running
+    if computed and fewest_running > 1:  # at most one chunk cut short per step
+        most = min(most, (itl_observations + first_tokens) / (fewest_running - 1))
+    return most
 
 
 def _prefill_per_step(previous: Snapshot, current: Snapshot, steps: float | None, notes: list[str]
