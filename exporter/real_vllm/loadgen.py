@@ -1,0 +1,226 @@
+"""A load generator for a real OpenAI-compatible server: streams, token arrival times, tokens held.
+
+Why our own: checking stepbudget against a running engine needs the ground truth a client has and a
+benchmark tool does not report: every streamed token's arrival time (to compare the measured step
+with the gaps the clients saw, over the daemon's own windows) and, at any moment, how many tokens
+each running request holds in the KV cache (prompt + generated so far, to compare tokens in flight).
+
+Protocol facts (vLLM 0.32 OpenAI server, `/v1/completions`):
+- `prompt` may be a list of token ids: the prompt length is then exact, and random ids share no
+  prefix, so prefix caching computes every prompt token.
+- `"ignore_eos": true` with `max_tokens` gives an exact output length.
+- A streamed chunk can carry several tokens when the front end falls behind the engine; with
+  `"stream_options": {"include_usage": true, "continuous_usage_stats": true}` every chunk carries
+  `usage.completion_tokens` so far, which is what is counted here (never one token per chunk).
+Standard library only (http.client, threads): the load runs beside the daemon in any venv.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+DEFAULT_TIMEOUT_SECONDS = 600.0  # one streamed read: a CPU step holding a long prompt chunk lasts seconds
+FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens (<s>, </s>, <unk>)
+
+
+@dataclass
+class Stream:
+    """One streamed completion: what was asked, and when each chunk's tokens arrived."""
+
+    prompt_tokens: int
+    max_tokens: int
+    sent_at_seconds: float
+    # (arrival time, completion tokens received so far after this chunk), in arrival order.
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    finished_at_seconds: float | None = None
+    error: str | None = None
+
+    def generated_by(self, at_seconds: float) -> int:
+        """Completion tokens received by `at_seconds`."""
+        received = 0
+        for arrived, total in self.arrivals:
+            if arrived > at_seconds:
+                break
+            received = total
+        return received
+
+    def running_at(self, at_seconds: float) -> bool:
+        """Sent and not finished at `at_seconds` (the server holds its KV cache from admission on)."""
+        end = self.finished_at_seconds
+        return self.sent_at_seconds <= at_seconds and (end is None or at_seconds < end)
+
+    def tokens_held_at(self, at_seconds: float) -> int:
+        """Prompt + generated so far while running, else 0: what the request holds in the KV cache."""
+        return self.prompt_tokens + self.generated_by(at_seconds) if self.running_at(at_seconds) else 0
+
+    def gaps_in(self, start_seconds: float, end_seconds: float) -> tuple[float, int]:
+        """(summed gaps, tokens) of the tokens that arrived in (start, end], first token excluded.
+
+        A chunk of k tokens that arrived g after the previous one counts k tokens and g seconds, so
+        the token-weighted mean gap is the summed gaps over the tokens: the way an ITL histogram
+        that observes once per token per step would average them.
+        """
+        gap_sum, tokens = 0.0, 0
+        previous: tuple[float, int] | None = None
+        for arrived, total in self.arrivals:
+            if previous is not None and start_seconds < arrived <= end_seconds:
+                gap_sum += arrived - previous[0]
+                tokens += total - previous[1]
+            previous = (arrived, total)
+        return gap_sum, tokens
+
+
+@dataclass(frozen=True)
+class Phase:
+    """`concurrency` closed-loop clients, each sending requests of this shape back to back."""
+
+    name: str
+    concurrency: int
+    prompt_tokens: int
+    max_tokens: int
+
+
+class LoadGenerator:
+    """Closed-loop streaming clients against one server; every stream is kept for the ground truth."""
+
+    def __init__(self, base_url: str, model: str, *, vocab_size: int, seed: int = 0,
+                 timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, clock: Callable[[], float] = time.time) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"base URL must be http://host:port, got {base_url!r}")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._model = model
+        self._vocab_size = vocab_size
+        self._random = random.Random(seed)
+        self._timeout_seconds = timeout_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._streams: list[Stream] = []
+        self._threads: list[threading.Thread] = []
+        self._stops: dict[str, threading.Event] = {}
+
+    # --- ground truth -------------------------------------------------------------------------------
+
+    @property
+    def streams(self) -> list[Stream]:
+        with self._lock:
+            return list(self._streams)
+
+    def tokens_held_at(self, at_seconds: float) -> int:
+        """Tokens all running requests hold at `at_seconds` (prompt + generated so far)."""
+        return sum(stream.tokens_held_at(at_seconds) for stream in self.streams)
+
+    def running_at(self, at_seconds: float) -> int:
+        return sum(1 for stream in self.streams if stream.running_at(at_seconds))
+
+    def mean_gap_seconds(self, start_seconds: float, end_seconds: float) -> tuple[float | None, int]:
+        """Token-weighted mean per-token gap over (start, end], and the tokens it is over."""
+        gap_sum, tokens = 0.0, 0
+        for stream in self.streams:
+            stream_sum, stream_tokens = stream.gaps_in(start_seconds, end_seconds)
+            gap_sum += stream_sum
+            tokens += stream_tokens
+        return (gap_sum / tokens if tokens else None), tokens
+
+    def errors(self) -> list[str]:
+        return [stream.error for stream in self.streams if stream.error]
+
+    # --- driving the load ---------------------------------------------------------------------------
+
+    def start(self, phase: Phase) -> None:
+        """Starts `phase.concurrency` clients that loop until `stop(phase.name)`."""
+        stop = self._stops[phase.name] = threading.Event()  # a phase started again runs again
+        for index in range(phase.concurrency):
+            thread = threading.Thread(target=self._loop, args=(phase, stop), daemon=True,
+                                      name=f"loadgen-{phase.name}-{index}")
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, name: str) -> None:
+        """The phase's clients send no new request; their requests in flight run to the end."""
+        self._stops.setdefault(name, threading.Event()).set()
+
+    def stop_all(self) -> None:
+        for stop in self._stops.values():
+            stop.set()
+
+    def join(self, timeout_seconds: float) -> bool:
+        """Waits for every client to finish its last request; False if some are still running."""
+        deadline = time.monotonic() + timeout_seconds
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def one(self, prompt_tokens: int, max_tokens: int) -> Stream:
+        """One request in the calling thread (for calibration-style single streams)."""
+        return self._request(prompt_tokens, max_tokens)
+
+    def _loop(self, phase: Phase, stop: threading.Event) -> None:
+        while not stop.is_set():
+            stream = self._request(phase.prompt_tokens, phase.max_tokens)
+            if stream.error is not None:
+                stop.wait(1.0)  # a refused or broken request: back off instead of spinning
+
+    def _prompt(self, tokens: int) -> list[int]:
+        with self._lock:
+            return [self._random.randrange(FIRST_TOKEN_ID, self._vocab_size) for _ in range(tokens)]
+
+    def _request(self, prompt_tokens: int, max_tokens: int) -> Stream:
+        body = json.dumps({
+            "model": self._model, "prompt": self._prompt(prompt_tokens), "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        })
+        stream = Stream(prompt_tokens, max_tokens, self._clock())
+        with self._lock:
+            self._streams.append(stream)
+        connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_seconds)
+        try:
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status != 200:
+                stream.error = f"HTTP {response.status}: {response.read(500).decode(errors='replace')}"
+                return stream
+            for completion_tokens in _usage_counts(response):
+                stream.arrivals.append((self._clock(), completion_tokens))
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            stream.error = f"{type(error).__name__}: {error}"
+        finally:
+            stream.finished_at_seconds = self._clock()
+            connection.close()
+        return stream
+
+
+def _usage_counts(response: http.client.HTTPResponse) -> Iterator[int]:
+    """Completion tokens so far, once per server-sent event that carries new tokens."""
+    last = 0
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        event = json.loads(payload)
+        usage = event.get("usage") or {}
+        total = usage.get("completion_tokens")
+        if isinstance(total, int) and total > last:
+            last = total
+            yield total
+
+
+def summarize(streams: Sequence[Stream]) -> dict[str, float]:
+    """Totals a test or the demo prints: requests, tokens, errors."""
+    return {
+        "requests": float(len(streams)),
+        "completed": float(sum(1 for s in streams if s.finished_at_seconds is not None and s.error is None)),
+        "errors": float(sum(1 for s in streams if s.error is not None)),
+        "generated_tokens": float(sum(s.arrivals[-1][1] if s.arrivals else 0 for s in streams)),
+    }
