@@ -30,6 +30,7 @@ import structlog
 from exporter.capacity import model
 from exporter.capacity.deployment import fit_bounds
 from exporter.errors import InputError
+from exporter.serve.reading import page_setup
 
 if TYPE_CHECKING:
     from exporter.capacity.deployment import ResolvedSetup
@@ -88,6 +89,11 @@ class FitWindow:
     # The window's steps by prefill tokens ((tokens, share) pairs), where the page has the histogram:
     # a few steps with big chunks cost more than the same tokens spread evenly (compute-bound GEMMs).
     prefill_mix: tuple[tuple[float, float], ...] | None = None
+    # The KV cache dtype and block size the engine's page reported (None: the config's). The window's
+    # bytes are counted with them, as its reading predicted with them (reading.page_setup): fitted with
+    # the config's, a page's fp8 cache would read as half the bandwidth's worth of KV bytes too many.
+    kv_cache_dtype: str | None = None
+    block_size_tokens: int | None = None
 
     @property
     def usable(self) -> bool:
@@ -177,14 +183,21 @@ class _Columns:
     phases: tuple[_Phase, ...]
 
 
+def window_setup(seed: model.ServingSetup, window: FitWindow) -> model.ServingSetup:
+    """The setup the window's engine ran with: the seed's rates, the engine's own KV dtype and block
+    size. The same function the reading predicts with, so the fit and the prediction count one setup."""
+    return page_setup(seed, window.kv_cache_dtype, window.block_size_tokens)
+
+
 def _columns(seed: model.ServingSetup, window: FitWindow) -> _Columns:
     groups = model.groups_from_total(window.tokens_in_flight, window.running)
     mix = window.prefill_mix or ((window.prefill_tokens_per_step, 1.0),)
     total = sum(share for _, share in mix) or 1.0
-    compute = seed.effective_compute_flops_per_second
+    setup = window_setup(seed, window)
+    compute = setup.effective_compute_flops_per_second
     phases, running = [], 0.0
     for tokens, share in mix:
-        step = model.predict_step(seed, groups, tokens)
+        step = model.predict_step(setup, groups, tokens)
         running = step.decode_tokens
         phases.append(_Phase(share / total, step.weight_read_bytes, step.kv_read_bytes,
                              step.gemm_compute_seconds * compute, step.attention_compute_seconds * compute))
@@ -374,7 +387,8 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
             continue  # down, no window yet, or a server-wide series (no tokens of its own)
         window = FitWindow(reading.last_success_timestamp_seconds or now_seconds, reading.tokens_in_flight,
                            reading.requests_running, reading.prefill_tokens_per_step or 0.0,
-                           reading.measured_step_seconds, reading.prefill_mix)
+                           reading.measured_step_seconds, reading.prefill_mix, reading.kv_cache_dtype,
+                           reading.block_size_tokens)
         if window.usable:
             found.setdefault(reading.deployment, []).append((reading.identity, window))
     return found
@@ -526,8 +540,8 @@ def calibration_from_fit(seed: model.ServingSetup, windows: Sequence[FitWindow],
     fitted = fitted_step_seconds(seed, usable, parameters)
     points = []
     for window in usable:
-        step = model.predict_step(seed, model.groups_from_total(window.tokens_in_flight, window.running),
-                                  window.prefill_tokens_per_step)
+        groups = model.groups_from_total(window.tokens_in_flight, window.running)
+        step = model.predict_step(window_setup(seed, window), groups, window.prefill_tokens_per_step)
         points.append(model.CalibrationPoint(window.measured_step_seconds, window.tokens_in_flight, step.read_bytes,
                                              max(1.0, window.running), step.weight_read_bytes,
                                              step.gemm_compute_seconds * seed.effective_compute_flops_per_second))
