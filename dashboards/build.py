@@ -208,11 +208,16 @@ def overview() -> dash.Dashboard:
         ("Step time against the budget", [
             timeseries(
                 1, "Predicted vs measured step time", "s",
-                "Predicted step time (from tokens in flight and prefill), measured mean and median "
-                "inter-token latency, and the step budget (dashed red). Predicted above budget for 5m pages.",
+                "Predicted step time (from tokens in flight and prefill), measured mean inter-token latency "
+                "(exact: ITL sum / count over the poll window), the ITL bucket the median lies in (more than "
+                "half the steps above its low edge, at least half at or under its high edge: a histogram says "
+                "no more), and the step budget (dashed red). Predicted above budget for 5m pages.",
                 [Query(per_target("stepbudget_predicted_step_seconds"), "{{target}} predicted"),
                  Query(per_target("stepbudget_measured_step_seconds"), "{{target}} measured mean"),
-                 Query(per_target("stepbudget_measured_step_median_seconds"), "{{target}} measured median"),
+                 Query(per_target("stepbudget_measured_step_median_lower_seconds"),
+                       "{{target}} median bucket low"),
+                 Query(per_target("stepbudget_measured_step_median_upper_seconds"),
+                       "{{target}} median bucket high"),
                  Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
                 budget_legend=".* budget$", min_value=0),
             timeseries(

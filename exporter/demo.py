@@ -297,6 +297,18 @@ def _ms(seconds: float | None) -> str:
     return "    -   " if seconds is None else f"{seconds * 1e3:6.1f} ms"
 
 
+def _median(view: TargetView) -> str:
+    """The median as exported: a number only where its ITL bucket resolves it, else that bucket
+    (vLLM's default buckets put every step from 10 to 25 ms at an interpolated 17.5 ms)."""
+    point = view.get("measured_step_median_seconds")
+    lower, upper = view.get("measured_step_median_lower_seconds"), view.get("measured_step_median_upper_seconds")
+    if point is not None or lower is None:
+        return _ms(point).strip()
+    if upper is None:
+        return f"> {lower * 1e3:.1f} ms"
+    return f"{lower * 1e3:.1f}-{upper * 1e3:.1f} ms"
+
+
 def _tokens(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -316,7 +328,7 @@ def render_view(views: list[TargetView], alerts: ActiveAlerts, pools: dict[str, 
             f"  tokens in flight  {_tokens(tokens):>9} / token budget {_tokens(budget)}{share};"
             f" running {_tokens(view.get('requests_running'))}, waiting {_tokens(view.get('requests_waiting'))}",
             f"  step time         predicted {_ms(view.get('predicted_step_seconds'))}   measured "
-            f"{_ms(measured)} (median {_ms(view.get('measured_step_median_seconds')).strip()})   budget "
+            f"{_ms(measured)} (median {_median(view)})   budget "
             f"{_ms(view.get('step_budget_seconds')).strip()}",
             f"  per-user speed    predicted {view.get('predicted_user_tokens_per_second') or 0:6.1f} tok/s   measured "
             f"{(1 / measured) if measured else 0:6.1f} tok/s",

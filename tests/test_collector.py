@@ -71,8 +71,10 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     tokens = 0.3 * 4096 * 16  # usage ratio x GPU blocks x block size
     measured_mean = (5.9 - 1.5) / (300 - 100)
     # Median from bucket deltas as histogram_quantile: 200 observations, rank 100; deltas
-    # 0.01:10, 0.025:90, 0.05:180 -> inside (0.025, 0.05], 10 of that bucket's 90 in.
-    measured_median = 0.025 + (0.05 - 0.025) * (100 - 90) / (180 - 90)
+    # 0.01:10, 0.025:90, 0.05:180 -> inside (0.025, 0.05], 10 of that bucket's 90 in: 27.8 ms, which
+    # the bucket (25 ms wide) cannot tell from any step between 25 and 50 ms. Its bounds are exported.
+    interpolated_median = 0.025 + (0.05 - 0.025) * (100 - 90) / (180 - 90)
+    assert 0.05 - 0.025 > 0.1 * interpolated_median
     prefill = (5000 - 1000) / (528 - 500)
     memory_step = (weights + kv_per_token * tokens) / bandwidth
     gemm_step = 2 * arch.params * (8 + prefill) / compute
@@ -99,7 +101,9 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(compute_step)
     assert only(samples, "stepbudget_predicted_step_seconds") == pytest.approx(predicted)
     assert only(samples, "stepbudget_measured_step_seconds") == pytest.approx(measured_mean)
-    assert only(samples, "stepbudget_measured_step_median_seconds") == pytest.approx(measured_median)
+    assert "stepbudget_measured_step_median_seconds" not in samples
+    assert only(samples, "stepbudget_measured_step_median_lower_seconds") == 0.025
+    assert only(samples, "stepbudget_measured_step_median_upper_seconds") == 0.05
     expected_error = (predicted - measured_mean) / measured_mean
     assert only(samples, "stepbudget_prediction_error_ratio") == pytest.approx(expected_error)
     assert only(samples, "stepbudget_predicted_user_tokens_per_second") == pytest.approx(1 / predicted)
@@ -134,6 +138,7 @@ def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: Pag
     poller.poll_once()
     samples = scrape(config, poller)
     for name in ("stepbudget_measured_step_seconds", "stepbudget_measured_step_median_seconds",
+                 "stepbudget_measured_step_median_lower_seconds", "stepbudget_measured_step_median_upper_seconds",
                  "stepbudget_prediction_error_ratio", "stepbudget_prefill_tokens_per_step"):
         assert name not in samples, name
     assert only(samples, "stepbudget_tokens_in_flight") == pytest.approx(0.05 * 4096 * 16)

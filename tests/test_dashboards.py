@@ -153,3 +153,20 @@ def test_runbook_names_only_existing_panels() -> None:
     labels = {"Meaning.", "Confirm.", "What to do.", "The page.", "Two sources, one alert."}
     assert named - labels, "the runbook names no panel"
     assert named - labels <= titles, (named - labels) - titles
+
+
+def test_the_step_time_panel_shows_the_median_as_its_bucket_and_the_runbook_confirms_with_the_mean() -> None:
+    """With vLLM's default ITL buckets every step from 10 to 25 ms interpolates to a 17.5 ms median
+    (issue 21 item 9): the panel draws the bucket's bounds beside the exact mean, and the runbook's
+    confirmation reads the mean and the bounds, never the interpolated median."""
+    (panel,) = [p for p in _panels(_load("stepbudget-overview")) if p["title"] == "Predicted vs measured step time"]
+    read = {name for target in panel["targets"] for name in metric_names(target["expr"])}
+    assert {"stepbudget_measured_step_seconds", "stepbudget_measured_step_median_lower_seconds",
+            "stepbudget_measured_step_median_upper_seconds"} <= read
+    assert "stepbudget_measured_step_median_seconds" not in read
+    section = RUNBOOK.read_text().split("## StepBudgetMeasuredStepOverBudget", 1)[1].split("\n## ", 1)[0]
+    confirm = section.split("**Confirm.**", 1)[1].split("**What to do.**", 1)[0]
+    assert "stepbudget_measured_step_seconds" in confirm
+    assert "stepbudget_measured_step_median_lower_seconds" in confirm
+    assert "stepbudget_measured_step_median_upper_seconds" in confirm
+    assert "median) lines are above the budget" not in confirm  # the old confirmation, by the interpolation

@@ -334,7 +334,10 @@ def test_prometheus_stores_what_the_daemon_exports(stack: Stack) -> None:
                                     what="Prometheus's latest samples and a daemon page of the same poll",
                                     state=lambda: (last, sorted(history.by_poll)[-4:]))
     assert compare_pages(exported, stored) == []
-    missing = DAEMON_METRICS - ADMISSION_METRICS - {name for name, _ in stored}
+    # The point median is left out where its ITL bucket is coarse, as vLLM's default buckets are for
+    # every step (issue 21 item 9): its bounds are exported instead.
+    conditional = {"stepbudget_measured_step_median_seconds"}
+    missing = DAEMON_METRICS - ADMISSION_METRICS - conditional - {name for name, _ in stored}
     assert not missing, f"DESIGN §3 metrics neither exported nor stored: {sorted(missing)}"
 
 

@@ -8,6 +8,7 @@ count reaches the rank, interpolate linearly between its lower and upper edge.
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import textwrap
 from pathlib import Path
@@ -263,3 +264,40 @@ def test_the_real_16_stream_window_counts_its_steps_once() -> None:
     assert window.tokens_generated == 2896
     assert not any("several API servers" in note for note in window.notes)
     assert window.prefill_tokens_per_step == 0.0
+
+
+@pytest.mark.parametrize("context_tokens", [10_000, 40_000, 70_000, 90_000])
+def test_steps_inside_one_itl_bucket_export_its_bounds_not_a_median(context_tokens: int) -> None:
+    """Two streams decoding alone at a cached context: steps of ~11, 15, 20 and 23 ms, every one in
+    vLLM's default (10 ms, 25 ms] ITL bucket. PromQL's interpolation puts each window's median at
+    the bucket's middle, 17.5 ms, whatever the step: that is no measurement and is not exported; the
+    bucket's bounds are, and the mean (delta sum / delta count) is the step time itself."""
+    sim = Simulator(SPEC, record_steps=True)
+    for _ in range(2):
+        sim.submit(context_tokens, 20_000, cached_prefix_tokens=context_tokens - 1)
+    *_, poll = simulated_polls(sim, calibrated_deployment(), 5.0, 10.0)
+    observations = [s.seconds for s in poll.steps for _ in range(s.decode_tokens)]
+    assert all(0.010 < seconds <= 0.025 for seconds in observations)
+    reading = poll.reading
+    assert reading.measured_step_median_seconds is None
+    assert (reading.measured_step_median_lower_seconds, reading.measured_step_median_upper_seconds) == (0.010, 0.025)
+    assert reading.measured_step_seconds == pytest.approx(statistics.fmean(observations))
+
+
+def test_a_median_inside_a_narrow_bucket_is_exported_with_its_bounds() -> None:
+    # Buckets 1 ms wide around 20 ms (a server started with finer ITL buckets): 100 observations,
+    # 30 up to 20 ms, 90 up to 21 ms -> rank 50 in (20 ms, 21 ms], 20 of its 60 in.
+    edges = ("0.019", "0.02", "0.021", "0.05")
+    before = page([0, 0, 0, 0, 0], itl_sum=0.0, prompt=0, steps=0, edges=edges)
+    after = page([10, 30, 90, 100, 100], itl_sum=2.05, prompt=0, steps=50, edges=edges)
+    window = compute_window(before, after)
+    median = 0.020 + (0.021 - 0.020) * (50 - 30) / (90 - 30)
+    assert window.measured_step_median_seconds == pytest.approx(median)
+    assert window.measured_step_median_point_seconds == pytest.approx(median)  # 1 ms is 5% of 20.3 ms
+    assert (window.measured_step_median_lower_seconds, window.measured_step_median_upper_seconds) == (0.020, 0.021)
+
+
+def test_a_median_in_the_inf_bucket_has_a_lower_bound_only() -> None:
+    window = compute_window(page([0, 0, 0, 0], 0, 0, 0), page([0, 1, 1, 10], 9.0, 0, 10))
+    assert window.measured_step_median_point_seconds is None
+    assert (window.measured_step_median_lower_seconds, window.measured_step_median_upper_seconds) == (0.05, None)

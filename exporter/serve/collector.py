@@ -25,6 +25,7 @@ from exporter import __version__
 from exporter.capacity import model
 from exporter.serve.config import Deployment
 from exporter.serve.reading import Reading, page_setup
+from exporter.serve.window import MEDIAN_RESOLUTION_RATIO
 
 POLLED = " (from the last poll of the server's /metrics)"
 
@@ -105,8 +106,18 @@ PER_TARGET: tuple[PerTarget, ...] = (
               "Measured mean step time (inter-token latency) over the last poll window.",
               _field("measured_step_seconds")),
     PerTarget("stepbudget_measured_step_median_seconds", "gauge",
-              "Median inter-token latency over the last poll window, interpolated from histogram buckets.",
+              "Median inter-token latency over the last poll window, interpolated from the ITL bucket deltas; "
+              f"left out where its bucket is wider than {MEDIAN_RESOLUTION_RATIO:.0%} of it (a histogram does not "
+              "say where inside a bucket its observations lie): see the _lower/_upper bounds.",
               _field("measured_step_median_seconds")),
+    PerTarget("stepbudget_measured_step_median_lower_seconds", "gauge",
+              "Lower edge of the ITL bucket the window's median lies in (0 for the first bucket): at least half "
+              "of the window's inter-token latencies are above it.",
+              _field("measured_step_median_lower_seconds")),
+    PerTarget("stepbudget_measured_step_median_upper_seconds", "gauge",
+              "Upper edge of the ITL bucket the window's median lies in: at least half of the window's "
+              "inter-token latencies are at or under it (absent when the median is in the +Inf bucket).",
+              _field("measured_step_median_upper_seconds")),
     PerTarget("stepbudget_prediction_error_ratio", "gauge", "(predicted - measured) / measured step time.",
               _field("prediction_error_ratio")),
     PerTarget("stepbudget_predicted_user_tokens_per_second", "gauge",

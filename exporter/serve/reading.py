@@ -31,12 +31,15 @@ VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp
                 "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step", "step_read_bytes",
                 "server_step_read_bytes", "step_read_bytes_ratio", "predicted_step_seconds",
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
-                "measured_step_median_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
+                "measured_step_median_seconds", "measured_step_median_lower_seconds",
+                "measured_step_median_upper_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
                 "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio", "engine_sleeping")
 # Values measured over the window between two polls: absent on a first poll, an idle window or a
 # counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
-WINDOW_FIELDS = ("measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio",
-                 "prefill_tokens_per_step")
+MEDIAN_FIELDS = ("measured_step_median_seconds", "measured_step_median_lower_seconds",
+                 "measured_step_median_upper_seconds")
+Median = tuple[float | None, float | None, float | None]  # MEDIAN_FIELDS' values
+WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_ratio", "prefill_tokens_per_step")
 # Values from families only some releases or server flags give (vLLM 0.32's waiting-by-reason and
 # sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
 OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
@@ -80,7 +83,11 @@ class Reading:
     predicted_memory_step_seconds: float | None = None
     predicted_compute_step_seconds: float | None = None
     measured_step_seconds: float | None = None
+    # The median ITL only where its bucket resolves it (Window.measured_step_median_point_seconds),
+    # and the bounds of that bucket: a coarse histogram says no more.
     measured_step_median_seconds: float | None = None
+    measured_step_median_lower_seconds: float | None = None
+    measured_step_median_upper_seconds: float | None = None
     prediction_error_ratio: float | None = None
     predicted_user_tokens_per_second: float | None = None
     step_budget_seconds: float | None = None
@@ -221,13 +228,16 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     occupancy = _occupancy(setup, snapshot, running, notes)
     tokens = occupancy.tokens_in_flight
 
-    measured_mean = measured_median = prefill = server_bytes = None
+    measured_mean = prefill = server_bytes = None
+    median: Median = (None, None, None)
     prefill_mix = None
     server_wide = "inter_token_latency" in snapshot.server_wide
     if window is not None:
         if not server_wide:
             measured_mean = _valid(window.measured_step_mean_seconds, "measured_step_seconds", notes)
-            measured_median = _valid(window.measured_step_median_seconds, "measured_step_median_seconds", notes)
+            point, lower, upper = _median(window)
+            median = (_valid(point, MEDIAN_FIELDS[0], notes), _valid(lower, MEDIAN_FIELDS[1], notes),
+                      _valid(upper, MEDIAN_FIELDS[2], notes))
         prefill = _valid(window.prefill_tokens_per_step, "prefill_tokens_per_step", notes)
         prefill_mix = window.prefill_mix
         server_bytes = _valid(window.server_read_bytes_per_step, "server_step_read_bytes", notes)
@@ -253,7 +263,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         requests_running=running, requests_waiting=waiting, requests_waiting_for_capacity=waiting_for_capacity,
         preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
         prefill_tokens_per_step=prefill, server_step_read_bytes=server_bytes,
-        measured_step_seconds=measured_mean, measured_step_median_seconds=measured_median,
+        measured_step_seconds=measured_mean, measured_step_median_seconds=median[0],
+        measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
         step_budget_seconds=budget_seconds,
         effective_bandwidth_bytes_per_second=setup.effective_bandwidth_bytes_per_second,
         bandwidth_source=rates_source, kind=snapshot.kind,
@@ -303,6 +314,7 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
                  "step, no KV occupancy until it wakes")
     asleep = replace(reading, tokens_in_flight=None, kv_cache_capacity_tokens=None, kv_cache_usage_ratio=None,
                      prefill_tokens_per_step=None, measured_step_seconds=None, measured_step_median_seconds=None,
+                     measured_step_median_lower_seconds=None, measured_step_median_upper_seconds=None,
                      server_step_read_bytes=None, estimated=(), notes=tuple(notes))
     return replace(asleep, lacking=_lacking(asleep, snapshot))
 
@@ -333,10 +345,11 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     if not readings:
         return None
     first = readings[0]
-    measured = median = None
+    measured = None
+    median: Median = (None, None, None)
     if window is not None:
         measured = window.measured_step_mean_seconds or None
-        median = window.measured_step_median_seconds
+        median = _median(window)
     predicted = None
     if ranks:
         token_rate = sum(running / step for running, step in ranks)
@@ -346,7 +359,8 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
         namespace=first.namespace, pod=first.pod, target_up=True,
         scrape_duration_seconds=first.scrape_duration_seconds,
         last_success_timestamp_seconds=first.last_success_timestamp_seconds,
-        predicted_step_seconds=predicted, measured_step_seconds=measured, measured_step_median_seconds=median,
+        predicted_step_seconds=predicted, measured_step_seconds=measured, measured_step_median_seconds=median[0],
+        measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
         prediction_error_ratio=(predicted - measured) / measured if predicted and measured else None,
         predicted_user_tokens_per_second=1.0 / predicted if predicted else None,
         step_budget_seconds=first.step_budget_seconds, kind=first.kind,
@@ -354,12 +368,18 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     )
 
 
+def _median(window: Window) -> Median:
+    """The window's median ITL as MEDIAN_FIELDS export it: the point only where its bucket resolves it."""
+    return (window.measured_step_median_point_seconds, window.measured_step_median_lower_seconds,
+            window.measured_step_median_upper_seconds)
+
+
 def _lacking(reading: Reading, snapshot: Snapshot) -> tuple[str, ...]:
     """Exported values absent for a reason that lasts: not the routine gaps of a window."""
     absent = [name for name in VALUE_FIELDS if _value_of(reading, name) is None]
     routine = set(WINDOW_FIELDS) | set(OPTIONAL_FIELDS)
     if snapshot.inter_token_latency is None:
-        routine -= {"measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio"}
+        routine -= {"measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_ratio"}
     if snapshot.prompt_tokens_total is None or snapshot.engine_steps_total is None:
         routine.discard("prefill_tokens_per_step")
     return tuple(name for name in absent if name not in routine)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from exporter.serve.snapshot import Histogram, Snapshot
 
 _SUM_WOBBLE = 1e-9
+# A median interpolated inside a bucket wider than this share of its value is not a measurement.
+MEDIAN_RESOLUTION_RATIO = 0.1
 _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_tokens_cached_total",
              "generation_tokens_total", "preemptions_total", "engine_steps_total", "server_read_bytes_total",
              "admission_rejections_total")
@@ -25,7 +27,10 @@ class Window:
     """Deltas between two snapshots of one engine; None where they cannot be known."""
 
     measured_step_mean_seconds: float | None  # delta(ITL sum) / delta(ITL count)
-    measured_step_median_seconds: float | None  # histogram_quantile(0.5) over the bucket deltas
+    # histogram_quantile(0.5) over the bucket deltas: PromQL's number, a linear interpolation inside
+    # the bucket the median falls in, which is only as good as that bucket is narrow (see
+    # measured_step_median_point_seconds; the reading exports that and the bounds, not this).
+    measured_step_median_seconds: float | None
     prefill_tokens_per_step: float | None  # delta(computed prompt tokens) / delta(engine steps)
     tokens_generated: float | None  # delta(ITL count): observations in the window
     counter_reset: bool  # some counter went backwards (server restart): no deltas this window
@@ -42,6 +47,33 @@ class Window:
     # The window's first snapshot: what the reading predicts the window's start with, so that our
     # bytes per step are set beside the server's over the same steps.
     start: Snapshot | None = None
+    # The ITL bucket the median falls in: (lower, upper] edges; upper None for the +Inf bucket.
+    measured_step_median_lower_seconds: float | None = None
+    measured_step_median_upper_seconds: float | None = None
+
+    @property
+    def measured_step_median_point_seconds(self) -> float | None:
+        """The median as one number, only where its bucket is narrow enough to be one.
+
+        A histogram says how many observations fell in each bucket, not where: with vLLM's default
+        ITL edges (10, 25, 50 ms ...) steps of 11 and 24 ms both interpolate to 17.5 ms, which at an
+        18 ms budget reads "under budget" for both. Inside a bucket wider than MEDIAN_RESOLUTION_RATIO of
+        the value the interpolation is an artefact, and only the bounds are said.
+        """
+        median, lower, upper = (self.measured_step_median_seconds, self.measured_step_median_lower_seconds,
+                                self.measured_step_median_upper_seconds)
+        if median is None or lower is None or upper is None or upper - lower > MEDIAN_RESOLUTION_RATIO * median:
+            return None
+        return median
+
+
+@dataclass(frozen=True)
+class QuantileBucket:
+    """A quantile as PromQL interpolates it, and the bucket it lies in: (lower, upper]."""
+
+    value: float
+    lower: float
+    upper: float  # math.inf for the +Inf bucket (value is then the last finite edge)
 
 
 def histogram_quantile(quantile: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
@@ -52,6 +84,12 @@ def histogram_quantile(quantile: float, buckets: tuple[tuple[float, float], ...]
     bound of the last finite bucket. None where PromQL returns NaN (no observations, no +Inf bucket,
     fewer than two buckets).
     """
+    found = quantile_bucket(quantile, buckets)
+    return None if found is None else found.value
+
+
+def quantile_bucket(quantile: float, buckets: tuple[tuple[float, float], ...]) -> QuantileBucket | None:
+    """`histogram_quantile` with the bucket it interpolated in, which is the quantile's resolution."""
     ordered = sorted(buckets)
     if len(ordered) < 2 or ordered[-1][0] != math.inf:
         return None
@@ -64,12 +102,12 @@ def histogram_quantile(quantile: float, buckets: tuple[tuple[float, float], ...]
     rank = quantile * observations
     index = next((i for i, count in enumerate(counts[:-1]) if count >= rank), len(counts) - 1)
     if index == len(counts) - 1:
-        return ordered[-2][0]
+        return QuantileBucket(ordered[-2][0], ordered[-2][0], math.inf)
     upper = ordered[index][0]
     if index == 0 and upper <= 0:
-        return upper
+        return QuantileBucket(upper, upper, upper)
     lower, below = (ordered[index - 1][0], counts[index - 1]) if index > 0 else (0.0, 0.0)
-    return lower + (upper - lower) * (rank - below) / (counts[index] - below)
+    return QuantileBucket(lower + (upper - lower) * (rank - below) / (counts[index] - below), lower, upper)
 
 
 def _went_backwards(previous: Snapshot, current: Snapshot) -> list[str]:
@@ -123,8 +161,9 @@ def _empty(reset: bool, *notes: str) -> Window:
     return Window(None, None, None, None, reset, tuple(notes))
 
 
-def _step_times(previous: Histogram, current: Histogram, notes: list[str]) -> tuple[float | None, float | None, float]:
-    """(mean, median, observations) of the ITL observations made between the two readings."""
+def _step_times(previous: Histogram, current: Histogram, notes: list[str]
+                ) -> tuple[float | None, QuantileBucket | None, float]:
+    """(mean, median and its bucket, observations) of the ITL observations made between the two readings."""
     observations = current.count - previous.count
     if observations <= 0:
         notes.append("no new tokens in the window (idle)")
@@ -133,7 +172,7 @@ def _step_times(previous: Histogram, current: Histogram, notes: list[str]) -> tu
     if not _same_edges(previous, current):
         notes.append("ITL bucket edges changed between polls: no median this window")
         return mean, None, observations
-    return mean, histogram_quantile(0.5, _bucket_deltas(previous, current)), observations
+    return mean, quantile_bucket(0.5, _bucket_deltas(previous, current)), observations
 
 
 def _bucket_deltas(previous: Histogram, current: Histogram) -> tuple[tuple[float, float], ...]:
@@ -322,7 +361,8 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
     if backwards:
         return _empty(True, f"counter reset (server restart?): {', '.join(backwards)} went backwards")
     notes: list[str] = []
-    mean = median = tokens = None
+    mean = tokens = None
+    median: QuantileBucket | None = None
     before_h, now_h = previous.inter_token_latency, current.inter_token_latency
     if before_h is None or now_h is None:
         notes.append("no ITL histogram in one of the two polls: no measured step")
@@ -334,7 +374,7 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
     server_bytes = _server_read_bytes_per_step(previous, current, steps, notes)
     return Window(
         measured_step_mean_seconds=mean,
-        measured_step_median_seconds=median,
+        measured_step_median_seconds=median.value if median else None,
         prefill_tokens_per_step=prefill,
         tokens_generated=tokens,
         counter_reset=False,
@@ -343,4 +383,6 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         server_read_bytes_per_step=server_bytes,
         admission_rejections=_delta(previous, current, "admission_rejections_total"),
         start=previous,
+        measured_step_median_lower_seconds=median.lower if median else None,
+        measured_step_median_upper_seconds=median.upper if median and math.isfinite(median.upper) else None,
     )

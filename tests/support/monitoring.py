@@ -42,6 +42,8 @@ DAEMON_METRICS: frozenset[str] = frozenset(
         "stepbudget_predicted_compute_step_seconds",
         "stepbudget_measured_step_seconds",
         "stepbudget_measured_step_median_seconds",
+        "stepbudget_measured_step_median_lower_seconds",
+        "stepbudget_measured_step_median_upper_seconds",
         "stepbudget_prediction_error_ratio",
         "stepbudget_predicted_user_tokens_per_second",
         "stepbudget_step_budget_seconds",
