@@ -482,3 +482,58 @@ def test_the_old_engine_key_names_its_new_name(tmp_path: Path) -> None:
         load_config(str(path))
     message = str(raised.value)
     assert "engine" in message and "renamed to 'kind'" in message and ":5:" in message
+
+
+# --- stale_after against the poll interval and the timeouts --------------------------------------
+
+
+def _prometheus_minimal(**prometheus: str) -> str:
+    keys = "".join(f"\n                {key}: {value}" for key, value in prometheus.items())
+    return textwrap.dedent(f"""\
+        deployments:
+          - name: chat
+            model: qwen3-8b
+            gpu: h100-sxm
+            targets:
+              prometheus:
+                url: http://prom:9090
+                selector: job="vllm"{keys}
+    """)
+
+
+def test_a_stale_after_one_failed_poll_would_outlast_is_refused_saying_what_to_set(tmp_path: Path) -> None:
+    """poll_interval 60 s, stale_after 60 s: a target whose one poll fails (here by its 5 s timeout) is
+    65 s past its last success at that poll, so its values and the alerts' `for` timers were dropped."""
+    message = error_of(tmp_path, "poll_interval: 60s\nstale_after: 60s\n" + textwrap.dedent(MINIMAL))
+    assert message.startswith(f"{tmp_path / 'stepbudget.yaml'}:2: stale_after: 60s is not longer than "
+                              "poll_interval + timeout (60s + 5s = 65s)")
+    assert "set stale_after to at least 125s (2 x poll_interval + timeout)" in message
+    # One second over the bound is accepted: a single failed poll keeps the values.
+    config = load_config(str(write(tmp_path, "poll_interval: 60s\nstale_after: 66s\n" + textwrap.dedent(MINIMAL))))
+    assert config.stale_after_seconds == 66
+
+
+def test_stale_after_not_given_follows_the_poll_interval(tmp_path: Path) -> None:
+    """60 s unless 2 x poll_interval + timeout is longer: 60 s polls with a 5 s timeout keep values 125 s."""
+    slow = load_config(str(write(tmp_path, "poll_interval: 60s\n" + textwrap.dedent(MINIMAL))))
+    assert slow.stale_after_seconds == 2 * 60 + 5
+    fast = load_config(str(write(tmp_path, "poll_interval: 10s\ntimeout: 2s\n" + textwrap.dedent(MINIMAL))))
+    assert fast.stale_after_seconds == 60
+
+
+def test_the_prometheus_query_timeout_defaults_from_the_poll_interval(tmp_path: Path) -> None:
+    """0.8 x poll_interval (12 s at 15 s: the ~10 s a 2,000-engine query takes), never under `timeout`."""
+    (deployment,) = load_config(str(write(tmp_path, _prometheus_minimal()))).deployments
+    assert deployment.prometheus is not None and deployment.prometheus.query_timeout_seconds == 12
+    short = load_config(str(write(tmp_path, "poll_interval: 2s\n" + _prometheus_minimal())))
+    assert short.deployments[0].prometheus.query_timeout_seconds == 5  # type: ignore[union-attr]
+    given = load_config(str(write(tmp_path, "poll_interval: 30s\n" + _prometheus_minimal(query_timeout="40s"))))
+    assert given.deployments[0].prometheus.query_timeout_seconds == 40  # type: ignore[union-attr]
+    assert given.stale_after_seconds == 2 * 30 + 40  # the slowest read a poll may wait for
+
+
+def test_stale_after_is_checked_against_a_deployments_query_timeout(tmp_path: Path) -> None:
+    message = error_of(tmp_path, "poll_interval: 30s\nstale_after: 60s\n" + _prometheus_minimal(query_timeout="40s"))
+    assert ("stale_after: 60s is not longer than poll_interval + "
+            "deployments[0].targets.prometheus.query_timeout (30s + 40s = 70s)") in message
+    assert "at least 100s" in message

@@ -305,6 +305,23 @@ def test_good_then_failing_target_keeps_values_until_stale_after(page_server: Pa
     assert any(line["event"] == "target_up" for line in logs)
 
 
+def test_one_timed_out_poll_at_a_slow_interval_keeps_the_values(page_server: PageServer, clock: ManualClock,
+                                                                 make_poller: MakePoller) -> None:
+    """60 s polls with a 2 s timeout: the poll that times out ends 62 s after the last success. The
+    fixed 60 s `stale_after` dropped the values there (and the alerts' `for` timers with them); not
+    given, it now follows the poll interval (2 x 60 s + 2 s = 122 s); a given 60 s is refused (test_config)."""
+    poller = make_poller(make_config([page_server.url], poll_interval="60s", stale_after=None), clock)
+    assert poller.config.stale_after_seconds == 122
+    page_server.serve_text(busy_page())
+    good = only_reading(poller.poll_once().readings)
+    page_server.serve_text("boom", 500)
+    clock.advance(62)  # as the poll that timed out ends
+    kept = only_reading(poller.poll_once().readings)
+    assert kept.target_up is False and kept.tokens_in_flight == good.tokens_in_flight
+    clock.advance(60)  # a second failed poll, 122 s on: past stale_after
+    assert only_reading(poller.poll_once().readings).tokens_in_flight is None
+
+
 def test_histogram_cut_off_mid_page(page_server: PageServer, clock: ManualClock, make_poller: MakePoller) -> None:
     """A page cut inside the ITL histogram: the step time is never measured from half a histogram."""
     poller = make_poller(make_config([page_server.url]), clock)
@@ -435,7 +452,7 @@ def test_engine_detection_is_logged_once(page_server: PageServer, clock: ManualC
 def test_scheduler_runs_the_poll_and_stops(page_server: PageServer, make_poller: MakePoller) -> None:
     """The real BackgroundScheduler: one instance at a time, coalesced, polls at once on start."""
     page_server.serve_text(busy_page())
-    poller = make_poller(make_config([page_server.url], poll_interval="1h"), time.time)
+    poller = make_poller(make_config([page_server.url], poll_interval="1h", stale_after="3h"), time.time)
     done = threading.Event()
     poller.add_listener(lambda result: done.set())
     poller.start()

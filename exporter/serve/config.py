@@ -88,6 +88,8 @@ __all__ = [
     "DEFAULTS_KEYS",
     "DEFAULT_MAX_RESPONSE_BYTES",
     "DEFAULT_PROMETHEUS_RESPONSE_BYTES",
+    "DEFAULT_QUERY_TIMEOUT_SHARE",
+    "DEFAULT_STALE_AFTER_SECONDS",
     "DEPLOYMENT_KEYS",
     "DNS_KEYS",
     "GPU_KEYS",
@@ -135,6 +137,10 @@ LOG_FORMATS = ("auto", "json", "console")
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20
 # One answer holds a whole deployment's series (~20 KB of JSON per vLLM engine): 10,000 engines fit.
 DEFAULT_PROMETHEUS_RESPONSE_BYTES = 512 * 2**20
+# The query may take this share of a poll: docs/scaling.md measures ~10 s per 2,000 engines, and a poll
+# still ending before the next is due is not skipped by the scheduler.
+DEFAULT_QUERY_TIMEOUT_SHARE = 0.8
+DEFAULT_STALE_AFTER_SECONDS = 60.0
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -209,6 +215,9 @@ PROMETHEUS_KEYS: Table = {
     "tls": Key(section(TLS_KEYS), None, "TLS for an https query API (default: the deployment's `tls`)"),
     "max_response_bytes": Key(size, float(DEFAULT_PROMETHEUS_RESPONSE_BYTES),
                               "a query answer larger than this is refused"),
+    "query_timeout": Key(duration, None,
+                         "deadline of the poll's one query, connect to last byte (default: the larger of "
+                         "`timeout` and 0.8 x `poll_interval`: 12s at 15s polls, ~2,400 engines' answer)"),
 }
 TARGETS_KEYS: Table = {
     "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
@@ -340,7 +349,9 @@ CORE_KEYS: Table = MappingProxyType({
     "listen": Key(listen_address, ":9421", "address the daemon serves /metrics on"),
     "poll_interval": Key(duration, 15.0, "how often every target is polled"),
     "timeout": Key(duration, 5.0, "per-target fetch deadline (connect + whole body)"),
-    "stale_after": Key(duration, 60.0, "a failing target's last good values are dropped after this"),
+    "stale_after": Key(duration, None, "a failing target's last good values are dropped after this; longer than "
+                                       "poll_interval + timeout (default: 60s, or 2 x poll_interval + timeout "
+                                       "when longer)"),
     "max_response_bytes": Key(size, float(DEFAULT_MAX_RESPONSE_BYTES), "a page larger than this is refused"),
     "log_format": Key(choice(*LOG_FORMATS), "auto", "json, console, or auto (console on a TTY)"),
     "defaults": Key(section(DEFAULTS_KEYS), None, "defaults for every deployment"),
@@ -429,6 +440,7 @@ class PrometheusTargets:
     tls: Tls
     tenant: str | None = None
     max_response_bytes: int = DEFAULT_PROMETHEUS_RESPONSE_BYTES
+    query_timeout_seconds: float = DEFAULT_QUERY_TIMEOUT_SHARE * 15.0  # from poll_interval and timeout
 
 
 @dataclass(frozen=True)
@@ -580,7 +592,8 @@ def _calibration_values(path: str, deployment: str, where: Where) -> Calibration
                              optional["per_request_seconds"] or 0.0, optional["effective_compute_flops_per_second"])
 
 
-def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Where) -> Deployment:
+def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Where,
+                      query_timeout_seconds: float) -> Deployment:
     lines = getattr(raw, "key_lines", {})
     bandwidth, overhead, calibrated = raw["effective_bandwidth"], raw["step_overhead"], False
     per_request, compute = 0.0, None
@@ -634,7 +647,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         dns=DnsTargets(**targets["dns"]) if targets["dns"] else None,
         kubernetes=KubernetesTargets(**targets["kubernetes"]) if targets["kubernetes"] else None,
         auth=deployment_auth, tls=deployment_tls,
-        prometheus=_prometheus_targets(targets["prometheus"], deployment_auth, deployment_tls),
+        prometheus=_prometheus_targets(targets["prometheus"], deployment_auth, deployment_tls, query_timeout_seconds),
         online_calibration=online_settings(raw["online_calibration"], defaults["online_calibration"]),
     )
 
@@ -651,7 +664,8 @@ def online_settings(own: Mapping[str, Any] | None, defaults: Mapping[str, Any] |
     return OnlineSettings(**values)
 
 
-def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls) -> PrometheusTargets | None:
+def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls,
+                        default_query_timeout_seconds: float) -> PrometheusTargets | None:
     """`targets.prometheus`; its own auth and tls, else the deployment's (in this mode the daemon
     talks to no model server, so the deployment's credentials can only be meant for Prometheus)."""
     if not raw:
@@ -660,6 +674,7 @@ def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls) -> 
         url=raw["url"], selector=raw["selector"], tenant=raw["tenant"],
         auth=Auth(**raw["auth"]) if raw["auth"] else auth, tls=Tls(**raw["tls"]) if raw["tls"] else tls,
         max_response_bytes=int(raw["max_response_bytes"]),
+        query_timeout_seconds=raw["query_timeout"] or default_query_timeout_seconds,
     )
 
 
@@ -676,6 +691,7 @@ def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Sect
     except Invalid as bad:
         raise Where("", 1, source).error(str(bad)) from None
     deployments = _build_deployments(document, top, Where("deployments", 0, source))
+    stale_after = _stale_after_seconds(top, deployments, root.child("stale_after", _key_line(document, "stale_after")))
     alerting_raw = top["alerting"]
     alerting = Alerting(
         alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
@@ -683,7 +699,7 @@ def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Sect
     ) if alerting_raw else Alerting()
     config = Config(
         listen=top["listen"], poll_interval_seconds=top["poll_interval"], timeout_seconds=top["timeout"],
-        stale_after_seconds=top["stale_after"], max_response_bytes=int(top["max_response_bytes"]),
+        stale_after_seconds=stale_after, max_response_bytes=int(top["max_response_bytes"]),
         log_format=top["log_format"], deployments=deployments, alerting=alerting,
         sections={extra.name: top[extra.name] for extra in extras}, source=source,
     )
@@ -698,7 +714,8 @@ def _build_deployments(document: Any, top: Mapping[str, Any], where: Where) -> t
     defaults = top["defaults"] or section(DEFAULTS_KEYS)(None, where.child("defaults", 0))
     raw_deployments = document["deployments"]
     item_lines = getattr(raw_deployments, "item_lines", [0] * len(raw_deployments))
-    deployments = [_build_deployment(raw, defaults, where.child(index, item_lines[index]))
+    query_timeout = max(top["timeout"], DEFAULT_QUERY_TIMEOUT_SHARE * top["poll_interval"])
+    deployments = [_build_deployment(raw, defaults, where.child(index, item_lines[index]), query_timeout)
                    for index, raw in enumerate(top["deployments"])]
     names = [d.name for d in deployments]
     for index, name in enumerate(names):
@@ -706,6 +723,36 @@ def _build_deployments(document: Any, top: Mapping[str, Any], where: Where) -> t
             raise where.child(index, item_lines[index]).child("name", None).error(
                 f"deployment name {name!r} is used twice")
     return tuple(deployments)
+
+
+def _key_line(document: Any, key: str) -> int | None:
+    lines: Mapping[str, int] = getattr(document, "key_lines", {})
+    return lines.get(key)
+
+
+def _stale_after_seconds(top: Mapping[str, Any], deployments: tuple[Deployment, ...], where: Where) -> float:
+    """`stale_after`, given or derived, longer than any one poll that fails: a target's values are kept
+    while `now - last success < stale_after`, and a poll that fails by its deadline ends up to
+    `poll_interval + deadline` after the last success. Anything shorter turns one timed-out fetch or
+    query into dropped values and restarted `for` timers, so it is refused (a deliberate value is not
+    silently changed); not given, it grows with the poll interval."""
+    poll: float = top["poll_interval"]
+    waits: list[tuple[str, float]] = [("timeout", top["timeout"])] + [
+        (f"deployments[{index}].targets.prometheus.query_timeout", d.prometheus.query_timeout_seconds)
+        for index, d in enumerate(deployments) if d.prometheus is not None]
+    name, wait = max(waits, key=lambda pair: pair[1])
+    floor = 2 * poll + wait
+    given: float | None = top["stale_after"]
+    if given is None:
+        return max(DEFAULT_STALE_AFTER_SECONDS, floor)
+    if given <= poll + wait:
+        short = name.rsplit(".", 1)[-1]
+        raise where.error(
+            f"{given:g}s is not longer than poll_interval + {name} ({poll:g}s + {wait:g}s = {poll + wait:g}s): "
+            f"one poll failing by its {short} would drop every target's last values and restart the alerts' "
+            f"`for` timers; set stale_after to at least {floor:g}s (2 x poll_interval + {short}), "
+            f"or leave it out to get that")
+    return float(given)
 
 
 def read_document(path: str) -> Any:
