@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.daemon import Daemon, build_daemon, start_serving
+from exporter.serve.prometheus_source import SAMPLE_TIME_SPREAD_LABEL
 from exporter.simulator.scenarios import builtin_scenarios
 from exporter.simulator.server import ServerHandle, start_server
 from tests.support.processes import stop_process
@@ -154,6 +155,13 @@ def test_prometheus_mode_exports_what_direct_polling_exports(servers: list[Serve
     for key, value in pages.items():
         assert value > 0, key
         assert queried[key] == pytest.approx(value, rel=0.02), key
+
+    # Prometheus commits a scrape at once: each target's series carry one sample time (deviation 0).
+    (source,) = via_prometheus.sources
+    answer = requests.post(f"{base}/api/v1/query", data={"query": source.query}, timeout=5).json()
+    deviations = {item["metric"]["instance"]: float(item["value"][1]) for item in answer["data"]["result"]
+                  if SAMPLE_TIME_SPREAD_LABEL in item["metric"]}
+    assert deviations == {f"127.0.0.1:{handle.port}": 0.0 for handle in servers}
 
     # A poll that finds no newer scrape keeps the last window: the measured step does not blank.
     held = exported(via_prometheus)

@@ -23,7 +23,12 @@ from exporter.serve.config import Config, ConfigError, config_from_mapping
 from exporter.serve.discovery import Discovery
 from exporter.serve.engines import read_page, wanted_names
 from exporter.serve.poller import Poller
-from exporter.serve.prometheus_source import SCRAPE_TIME_LABEL, PrometheusSource, series_query
+from exporter.serve.prometheus_source import (
+    SAMPLE_TIME_SPREAD_LABEL,
+    SCRAPE_TIME_LABEL,
+    PrometheusSource,
+    series_query,
+)
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 
@@ -86,11 +91,15 @@ def api() -> Iterator[QueryApi]:
 
 
 def scraped(page: str, instance: str, *, up: float = 1.0, at: float = SCRAPED_AT,
-            extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """One target's part of an answer: its wanted samples, `up` and `timestamp(up)`, as a scrape labels them."""
+            extra: dict[str, str] | None = None, spread: float | None = None) -> list[dict[str, Any]]:
+    """One target's part of an answer: its wanted samples, `up` and `timestamp(up)`, as a scrape labels
+    them, and (given `spread`) how far apart its series' sample times are, as the query's spread series."""
     target = {"job": "vllm", "instance": instance, **(extra or {})}
     items = [{"metric": {"__name__": "up", **target}, "value": [at, f"{up:g}"]},
              {"metric": {**target, SCRAPE_TIME_LABEL: "1"}, "value": [at, f"{at:.3f}"]}]
+    if spread is not None:
+        items.append({"metric": {"job": target["job"], "instance": instance, SAMPLE_TIME_SPREAD_LABEL: "1"},
+                      "value": [at, f"{spread:g}"]})
     if up != 1:
         return items
     wanted = wanted_names("auto")
@@ -176,8 +185,11 @@ def test_config_refuses_bad_prometheus_sections(targets: dict[str, Any], problem
 
 def test_one_query_asks_for_every_wanted_name_up_and_scrape_times() -> None:
     query = series_query(["vllm:num_requests_running", "sglang:token_usage"], 'job="vllm"')
+    times = " or ".join(f'label_replace(timestamp({name}{{job="vllm"}}), "stepbudget_sample_name", "{name}", "", "")'
+                        for name in ("sglang:token_usage", "up", "vllm:num_requests_running"))
     assert query == ('{__name__=~"sglang:token_usage|up|vllm:num_requests_running",job="vllm"} or '
-                     f'label_replace(timestamp(up{{job="vllm"}}), "{SCRAPE_TIME_LABEL}", "1", "", "")')
+                     f'label_replace(timestamp(up{{job="vllm"}}), "{SCRAPE_TIME_LABEL}", "1", "", "") or '
+                     f'label_replace(stddev by (job, instance) ({times}), "{SAMPLE_TIME_SPREAD_LABEL}", "1", "", "")')
 
 
 def test_targets_read_from_the_answer_give_the_pages_own_snapshots(api: QueryApi, clock: ManualClock) -> None:
@@ -337,3 +349,188 @@ def test_bearer_token_is_sent_to_the_query_api(api: QueryApi, clock: ManualClock
     poller, _ = poller_for(config(api.url, auth={"bearer_token_env": "PROM_TOKEN"}), clock)
     poller.poll_once()
     assert api.requests[0][1]["authorization"] == "Bearer s3cret"
+
+
+# --- staleness follows the scrape interval ------------------------------------------------------
+
+
+class ScrapingPrometheus:
+    """A Prometheus scraping one target every `interval` seconds, each scrape queryable `lag` seconds
+    after it started (the scrape's duration plus ingestion); the stub answers with the newest scrape
+    queryable at the injected clock's time, its counters 60 steps of 20 ms further per scrape."""
+
+    def __init__(self, api: QueryApi, clock: ManualClock, *, interval: float, lag: float) -> None:
+        self.interval, self.lag, self.clock = interval, lag, clock
+        self.stopped_after: int | None = None  # the last scrape taken, once scraping stops
+        api.answer = lambda form, headers: (200, json.dumps(self.answer()).encode())
+
+    def newest(self) -> int:
+        index = int((self.clock.now - SCRAPED_AT - self.lag) // self.interval)
+        return index if self.stopped_after is None else min(index, self.stopped_after)
+
+    def answer(self) -> dict[str, Any]:
+        index = self.newest()
+        steps = 100 + 60 * index
+        return success(scraped(vllm_page(busy(steps, steps * 8 * 0.02)), "10.0.0.5:8000",
+                               at=SCRAPED_AT + index * self.interval))
+
+
+def stale_source(cfg: Config, clock: ManualClock, stale_after_seconds: float) -> tuple[Poller, PrometheusSource]:
+    """A poller over a source built with its own `stale_after` (the config would refuse some of them)."""
+    (deployment,) = cfg.deployments
+    source = PrometheusSource(deployment, timeout_seconds=cfg.timeout_seconds,
+                              stale_after_seconds=stale_after_seconds, clock=clock)
+    poller = Poller(cfg, Discovery(cfg.deployments, timeout_seconds=1.0), fetch=lambda *a, **k: "",
+                    clock=clock, sources=[source])
+    return poller, source
+
+
+def test_a_poll_on_the_scrapes_blind_phase_reads_the_target_once_its_interval_is_seen(
+        api: QueryApi, clock: ManualClock) -> None:
+    """The issue's numbers: scrape and poll every 60 s, `stale_after` 60 s, each poll 1 s after a
+    scrape started and 2 s before its samples are queryable, so every poll sees a 61 s old scrape.
+    Before, the target never produced a reading; now a 61 s old scrape is fresh for a target scraped
+    every 60 s (two intervals of age allowed): only the first poll, before two scrapes are seen, is down."""
+    ScrapingPrometheus(api, clock, interval=60.0, lag=3.0)
+    poller, _ = stale_source(config(api.url), clock, stale_after_seconds=60.0)
+    up, steps = [], []
+    for poll in range(10):
+        clock.now = SCRAPED_AT + 60.0 * (poll + 1) + 1.0  # scrape `poll` is the newest queryable: 61 s old
+        poller.poll_once()
+        (reading,) = poller.readings()
+        up.append(reading.target_up)
+        steps.append(reading.measured_step_seconds)
+    assert up == [False] + [True] * 9
+    # Polls 2 and on read a new scrape each; from poll 3 each has a window: 60 steps of 20 ms each.
+    assert steps[:2] == [None, None] and steps[2:] == [pytest.approx(0.02)] * 8
+
+
+def test_a_poll_every_half_scrape_interval_no_longer_flaps(api: QueryApi, clock: ManualClock) -> None:
+    """A config check-config accepts: poll 30 s, `stale_after` 60 s, scrape 60 s, lag 3 s. Every other poll
+    saw a 61 s old scrape and marked the target down (a `target_down` line a minute, `target_up` 0 half
+    the time); now only the first such poll, before the interval is known, is down."""
+    ScrapingPrometheus(api, clock, interval=60.0, lag=3.0)
+    cfg = config_from_mapping({"poll_interval": "30s", "timeout": "1s", "stale_after": "60s",
+                               "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                                                "targets": {"prometheus": {"url": api.url,
+                                                                           "selector": 'job="vllm"'}}}]})
+    poller, _ = poller_for(cfg, clock)
+    up = []
+    with structlog.testing.capture_logs() as logs:
+        for poll in range(12):
+            clock.now = SCRAPED_AT + 61.0 + 30.0 * poll  # ages 61, 31, 61, 31, ...
+            poller.poll_once()
+            up.append(poller.readings()[0].target_up)
+    assert up == [False] + [True] * 11
+    assert len([line for line in logs if line["event"] == "target_down"]) == 1
+    (said,) = [line for line in logs if line["event"] == "staleness_follows_scrape_interval"]
+    assert (said["scrape_interval_seconds"], said["max_scrape_age_seconds"]) == (60.0, 120.0)
+
+
+def test_a_target_prometheus_stopped_scraping_is_down_after_two_of_its_intervals(
+        api: QueryApi, clock: ManualClock) -> None:
+    """Staleness still bites: scrapes every 60 s stop at scrape 2 (taken at +120 s); with two intervals
+    allowed the target is up while that scrape is at most 120 s old and down, naming both, after."""
+    prometheus = ScrapingPrometheus(api, clock, interval=60.0, lag=3.0)
+    poller, _ = stale_source(config(api.url), clock, stale_after_seconds=60.0)
+    for poll in range(3):  # scrapes 0, 1, 2, each read 10 s after it started
+        clock.now = SCRAPED_AT + 60.0 * poll + 10.0
+        poller.poll_once()
+    prometheus.stopped_after = 2
+    clock.now = SCRAPED_AT + 120.0 + 119.0
+    poller.poll_once()
+    assert poller.readings()[0].target_up
+    clock.now = SCRAPED_AT + 120.0 + 125.0
+    with structlog.testing.capture_logs() as logs:
+        poller.poll_once()
+    assert not poller.readings()[0].target_up
+    (line,) = [line for line in logs if line["event"] == "target_down"]
+    assert line["reason"] == "Prometheus's last scrape of it is 125s old (it scrapes it every 60s; 120s allowed)"
+
+
+# --- one scrape's series from different remote-write batches -------------------------------------
+
+
+def torn(page: str, at: float, spread: float) -> list[dict[str, Any]]:
+    """One target's answer whose series' sample times have a standard deviation of `spread` seconds."""
+    return scraped(page, "10.0.0.5:8000", at=at, spread=spread)
+
+
+def test_a_target_whose_series_come_from_two_scrapes_is_skipped_that_poll(api: QueryApi, clock: ManualClock) -> None:
+    """Mimir answered some of scrape 2's series and the rest from scrape 1 (sample times 15 s apart):
+    reading them would mix two scrapes' counters into one window. That poll keeps the last window
+    (target up, measured step unchanged) and says why; the next consistent answer is read."""
+    poller, _ = poller_for(config(api.url), clock)
+    for steps, at in ((100, SCRAPED_AT), (300, SCRAPED_AT + 15)):
+        api.serve(success(torn(vllm_page(busy(steps, steps * 8 * 0.02)), at, 0.0)))
+        clock.now = at + 1
+        poller.poll_once()
+    # Scrape 2 (100 more steps of 30 ms) half ingested: its ITL histogram beside scrape 1's step counters.
+    mixed = busy(300, 300 * 8 * 0.02)
+    whole = busy(400, 300 * 8 * 0.02 + 100 * 8 * 0.03)
+    mixed.itl_count, mixed.itl_sum, mixed.itl_buckets = whole.itl_count, whole.itl_sum, whole.itl_buckets
+    api.serve(success(torn(vllm_page(mixed), SCRAPED_AT + 30, 15.0)))
+    clock.now = SCRAPED_AT + 31
+    with structlog.testing.capture_logs() as logs:
+        poller.poll_once()
+    (reading,) = poller.readings()
+    assert reading.target_up and reading.measured_step_seconds == pytest.approx(0.02)
+    (said,) = [line for line in logs if line["event"] == "scrape_torn"]
+    assert said["target"] == "10.0.0.5:8000" and "(standard deviation 15s)" in said["reason"]
+    # Scrape 2 fully ingested: read, a window over scrapes 1 and 2 (100 steps of 30 ms).
+    api.serve(success(torn(vllm_page(busy(400, 300 * 8 * 0.02 + 100 * 8 * 0.03)), SCRAPED_AT + 30, 0.0)))
+    clock.now = SCRAPED_AT + 35
+    with structlog.testing.capture_logs() as logs:
+        poller.poll_once()
+    (reading,) = poller.readings()
+    assert reading.target_up and reading.measured_step_seconds == pytest.approx(0.03)
+    assert [line["event"] for line in logs if line["event"].startswith("scrape_")] == ["scrape_consistent"]
+
+
+def test_a_torn_target_with_nothing_to_keep_or_torn_for_too_long_is_down(api: QueryApi, clock: ManualClock) -> None:
+    poller, _ = poller_for(config(api.url), clock)
+    page = vllm_page(busy(100, 16.0))
+    api.serve(success(torn(page, SCRAPED_AT, 15.0)))
+    clock.now = SCRAPED_AT + 1
+    with structlog.testing.capture_logs() as logs:
+        poller.poll_once()
+    assert not poller.readings()[0].target_up, "never read: no window to keep"
+    (line,) = [line for line in logs if line["event"] == "target_down"]
+    assert line["reason"].startswith("its series carry different sample times (standard deviation 15s)")
+    api.serve(success(torn(page, SCRAPED_AT + 15, 0.0)))
+    clock.now = SCRAPED_AT + 16
+    poller.poll_once()
+    assert poller.readings()[0].target_up
+    # Torn at every poll from +30 s: skipped while the tear is no older than stale_after (60 s), then down.
+    for at in (30, 45, 60, 75, 90):
+        api.serve(success(torn(page, SCRAPED_AT + at, 15.0)))
+        clock.now = SCRAPED_AT + at + 1
+        poller.poll_once()
+        assert poller.readings()[0].target_up
+    api.serve(success(torn(page, SCRAPED_AT + 105, 15.0)))
+    clock.now = SCRAPED_AT + 106
+    poller.poll_once()
+    assert not poller.readings()[0].target_up
+
+
+# --- the query's own timeout ---------------------------------------------------------------------
+
+
+def test_the_query_has_its_own_timeout_longer_than_a_page_fetch(api: QueryApi, clock: ManualClock) -> None:
+    """`timeout` (1 s) bounds a page fetch; a deployment's query takes its own `query_timeout` (3 s):
+    an answer after 1.5 s is read, where before it failed at the page fetch's 1 s."""
+    body = json.dumps(success(scraped(vllm_page(busy(100, 16.0)), "10.0.0.5:8000"))).encode()
+
+    def slow(form: dict[str, str], headers: dict[str, str]) -> tuple[int, bytes]:
+        time.sleep(1.5)
+        return 200, body
+
+    api.answer = slow
+    clock.now = SCRAPED_AT + 1
+    poller, _ = poller_for(config(api.url, query_timeout="3s"), clock)
+    poller.poll_once()
+    assert poller.readings()[0].target_up
+    poller, _ = poller_for(config(api.url, query_timeout="500ms"), clock)
+    started = time.monotonic()
+    poller.poll_once()
+    assert time.monotonic() - started < 1.4 and not poller.readings()[0].target_up

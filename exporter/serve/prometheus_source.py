@@ -16,9 +16,25 @@ and the median would come from extrapolated buckets; raw values need none of tha
 
 The same query also asks `timestamp(up{<selector>})`, tagged with a label of its own: it says when
 Prometheus last scraped each target. A poll that finds no newer scrape keeps the target's readings
-as they are (a window of zero steps would blank its measured step), and a scrape older than
-`stale_after` makes the target down. One query, not several, because Prometheus answers one query
-from one consistent view of its head block: every sample of one scrape, or none.
+as they are (a window of zero steps would blank its measured step). How old a scrape may be follows
+the target's own scrape interval, inferred from the spacing of the scrape times the daemon has seen:
+a scrape is naturally up to one interval plus its ingestion lag old, so a fixed `stale_after` at or
+under the interval made a poll that lands between a scrape's start and its samples becoming
+queryable see a too-old scrape at every poll, for ever. A target is down once its last scrape is
+older than two of its intervals (one of grace for ingestion and remote-write lag) or `stale_after`,
+whichever is longer; before two scrapes of it are seen, `stale_after` alone.
+
+One query, not several, because Prometheus answers one query from one consistent view of its head
+block: every sample of one scrape, or none. Remote-write backends (Mimir, Cortex, Thanos Receive)
+do not promise that: one scrape's series arrive in several batches, and a query may see some from
+the newer scrape and some from the older. So the query also asks, per target, the standard deviation
+of its series' sample times; a target whose deviation is over SAMPLE_TIME_TOLERANCE_SECONDS is not
+read that poll (its last window stands, and it is said once), since a window over two scrapes'
+counters is a wrong number; one torn since before its first reading, or for longer than it may be
+stale, is down with the reason. `timestamp()` gives a sample's own time only for a bare selector and
+drops the name (so two names' series would collide), hence one `timestamp(name{selector})` per
+name, each tagged with its name: one more evaluation of the same series per poll, one more series
+per target in the answer.
 
 Each scrape target (`job`, `instance`) is one daemon target labelled by its `instance`; the labels
 Prometheus added to it (those on its `up`: job, instance, namespace, pod, ...) are taken off its
@@ -31,7 +47,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +65,15 @@ from exporter.serve.engines.exposition import parse_value
 log = structlog.get_logger("stepbudget.prometheus_source")
 
 SCRAPE_TIME_LABEL = "stepbudget_scrape_time"  # tags the timestamp(up) series in the one answer
+SAMPLE_TIME_SPREAD_LABEL = "stepbudget_sample_time_stddev"  # tags each target's spread of sample times
+SAMPLE_NAME_LABEL = "stepbudget_sample_name"  # keeps each name's timestamps apart once timestamp() drops it
+# All samples of one scrape carry the scrape's start time (to the millisecond); a standard deviation
+# above this, far below any real scrape interval, is series from two scrapes.
+SAMPLE_TIME_TOLERANCE_SECONDS = 0.1
+# A scrape may be this many of its target's intervals old: one for its natural age, one of grace for
+# ingestion (scrape duration, remote-write batching and backend lag) before it counts as missed.
+SCRAPE_INTERVALS_ALLOWED = 2.0
+INTERVALS_REMEMBERED = 8  # the interval is the shortest of the last few scrape spacings seen
 CHUNK_BYTES = 1 << 20
 ScrapeKey = tuple[str, str]  # (job, instance): one scrape target of the user's Prometheus
 
@@ -84,19 +109,46 @@ class ScrapedTarget:
     target_labels: dict[str, str]
     up: float
     scrape_seconds: float | None = None
+    sample_time_spread_seconds: float | None = None  # standard deviation of its series' sample times
     samples: list[tuple[str, dict[str, str], str]] = field(default_factory=list)
 
 
-def series_query(names: Iterable[str], selector: str) -> str:
-    """The one instant query: every wanted sample and `up`, plus `up`'s sample timestamps.
+@dataclass
+class ScrapeCadence:
+    """One target's scrape times as the daemon saw them, and the interval they imply.
 
-    `or` keeps the timestamp series because their extra label makes their label sets differ from
-    `up`'s; sample names hold only [a-zA-Z0-9_:], nothing a regex would read specially.
+    The shortest recent spacing between distinct scrape times: a poll slower than the scrapes sees
+    whole multiples of the interval, never less than one, so the estimate is never short (a short
+    one would bring the blind phase back); a few spacings only, so a longer interval is learned.
     """
-    alternatives = "|".join(sorted({"up", *names}))
+
+    last_seconds: float
+    spacings_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=INTERVALS_REMEMBERED))
+
+    def observe(self, scrape_seconds: float) -> None:
+        if scrape_seconds > self.last_seconds:
+            self.spacings_seconds.append(scrape_seconds - self.last_seconds)
+            self.last_seconds = scrape_seconds
+
+    @property
+    def interval_seconds(self) -> float | None:
+        return min(self.spacings_seconds) if self.spacings_seconds else None
+
+
+def series_query(names: Iterable[str], selector: str) -> str:
+    """The one instant query: every wanted sample and `up`, plus `up`'s sample timestamps and, per
+    target, the standard deviation of its series' sample times (one series each: the answer barely grows).
+
+    `or` keeps the tagged series because their extra label makes their label sets differ from the
+    others'; sample names hold only [a-zA-Z0-9_:], nothing a regex or a label value would read specially.
+    """
+    every = sorted({"up", *names})
     matchers = f",{selector}" if selector else ""
-    return (f'{{__name__=~"{alternatives}"{matchers}}} or '
-            f'label_replace(timestamp(up{{{selector}}}), "{SCRAPE_TIME_LABEL}", "1", "", "")')
+    times = " or ".join(f'label_replace(timestamp({name}{{{selector}}}), "{SAMPLE_NAME_LABEL}", "{name}", "", "")'
+                        for name in every)
+    return (f'{{__name__=~"{"|".join(every)}"{matchers}}} or '
+            f'label_replace(timestamp(up{{{selector}}}), "{SCRAPE_TIME_LABEL}", "1", "", "") or '
+            f'label_replace(stddev by (job, instance) ({times}), "{SAMPLE_TIME_SPREAD_LABEL}", "1", "", "")')
 
 
 def read_body(response: requests.Response, deadline: float, limit: int,
@@ -142,6 +194,7 @@ def group_by_target(result: list[dict[str, Any]]) -> dict[ScrapeKey, ScrapedTarg
     this selector covers) are left out, since their target labels cannot be told apart."""
     ups: dict[ScrapeKey, ScrapedTarget] = {}
     times: dict[ScrapeKey, float] = {}
+    spreads: dict[ScrapeKey, float] = {}
     series: dict[ScrapeKey, list[tuple[str, dict[str, str], str]]] = {}
     for item in result:
         labels = dict(item["metric"])
@@ -150,12 +203,15 @@ def group_by_target(result: list[dict[str, Any]]) -> dict[ScrapeKey, ScrapedTarg
         key = (labels.get("job", ""), labels.get("instance", ""))
         if SCRAPE_TIME_LABEL in labels:
             times[key] = float(value)
+        elif SAMPLE_TIME_SPREAD_LABEL in labels:
+            spreads[key] = float(value)
         elif name == "up":
             ups[key] = ScrapedTarget(labels, float(value))
         else:
             series.setdefault(key, []).append((name, labels, value))
     for key, scraped in ups.items():
         scraped.scrape_seconds = times.get(key)
+        scraped.sample_time_spread_seconds = spreads.get(key)
         scraped.samples = series.get(key, [])
     return ups
 
@@ -195,7 +251,10 @@ class PrometheusSource:
             raise ValueError(f"deployment {deployment.name!r} has no targets.prometheus")
         self.deployment = deployment
         self.spec: PrometheusTargets = deployment.prometheus
-        self._timeout_seconds = timeout_seconds
+        # The daemon's `timeout` bounds the connect only: the query itself takes the deployment's
+        # `query_timeout` (an answer for thousands of engines takes seconds to compute and send).
+        self._connect_timeout_seconds = min(timeout_seconds, self.spec.query_timeout_seconds)
+        self._timeout_seconds = self.spec.query_timeout_seconds
         self._stale_after_seconds = stale_after_seconds
         self._clock = clock
         self._monotonic = monotonic
@@ -206,6 +265,9 @@ class PrometheusSource:
         self._query = series_query(wanted_names(deployment.kind), self.spec.selector)
         self._targets: dict[ScrapeKey, Target] = {}  # last answer's targets: what a failed query marks down
         self._read_at: dict[ScrapeKey, float] = {}  # scrape time of the last samples read, per target
+        self._cadences: dict[ScrapeKey, ScrapeCadence] = {}  # every scrape time seen, read or not
+        self._torn_since: dict[ScrapeKey, float] = {}  # when a target's series were first seen torn
+        self._intervals_said: set[float] = set()  # scrape intervals already logged as outgrowing stale_after
 
     @property
     def query(self) -> str:
@@ -244,7 +306,7 @@ class PrometheusSource:
         # for an error rather than a silently partial answer (Prometheus and Mimir ignore it).
         with self._session.post(f"{self.spec.url}/api/v1/query",
                                 data={"query": self._query, "partial_response": "false"},
-                                headers=headers, timeout=(self._timeout_seconds, self._timeout_seconds),
+                                headers=headers, timeout=(self._connect_timeout_seconds, self._timeout_seconds),
                                 verify=self.spec.tls.verify, stream=True) as response:
             body = read_body(response, deadline, self.spec.max_response_bytes, self._monotonic)
             return decode_answer(response.status_code, body)
@@ -255,8 +317,9 @@ class PrometheusSource:
         targets = self._name_targets(scraped)
         mine = {target.key for target in (self._keep(list(targets.values())) if self._keep else targets.values())}
         self._targets = {key: target for key, target in targets.items() if target.key in mine}
-        for key in [key for key in self._read_at if key not in self._targets]:
-            del self._read_at[key]
+        for memory in (self._read_at, self._cadences, self._torn_since):
+            for key in [key for key in memory if key not in self._targets]:
+                del memory[key]
         return [self._outcome(key, target, scraped[key]) for key, target in self._targets.items()]
 
     def _name_targets(self, scraped: Mapping[ScrapeKey, ScrapedTarget]) -> dict[ScrapeKey, Target]:
@@ -272,13 +335,20 @@ class PrometheusSource:
         return targets
 
     def _outcome(self, key: ScrapeKey, target: Target, scraped: ScrapedTarget) -> TargetOutcome:
+        at = scraped.scrape_seconds
+        interval = self._observe(key, target, at)
         if scraped.up != 1:
             self._read_at.pop(key, None)
             return TargetOutcome(target, error=f"Prometheus cannot scrape it (up {scraped.up:g})")
-        at = scraped.scrape_seconds
-        if at is not None and self._clock() - at > self._stale_after_seconds:
+        allowed = self._max_scrape_age_seconds(interval)
+        if at is not None and self._clock() - at > allowed:
             self._read_at.pop(key, None)
-            return TargetOutcome(target, error=f"Prometheus's last scrape of it is {self._clock() - at:.0f}s old")
+            cadence = f"it scrapes it every {interval:g}s; " if interval is not None else ""
+            return TargetOutcome(target, error=f"Prometheus's last scrape of it is {self._clock() - at:.0f}s old "
+                                               f"({cadence}{allowed:g}s allowed)")
+        torn = self._torn(key, target, scraped.sample_time_spread_seconds, allowed)
+        if torn is not None:
+            return torn
         if at is not None and self._read_at.get(key) == at:
             return TargetOutcome(target, unchanged=True)
         try:
@@ -292,6 +362,50 @@ class PrometheusSource:
         if at is not None:
             self._read_at[key] = at
         return TargetOutcome(target, page=page)
+
+    def _observe(self, key: ScrapeKey, target: Target, scrape_seconds: float | None) -> float | None:
+        """Record the scrape time; the target's scrape interval as seen so far (None: not yet known)."""
+        if scrape_seconds is None:
+            return None
+        cadence = self._cadences.setdefault(key, ScrapeCadence(scrape_seconds))
+        before = cadence.interval_seconds
+        cadence.observe(scrape_seconds)
+        interval = cadence.interval_seconds
+        if (interval is not None and interval != before and interval not in self._intervals_said
+                and self._max_scrape_age_seconds(interval) > self._stale_after_seconds):
+            # Once per deployment and interval, not per target: 2,000 engines share one scrape config.
+            self._intervals_said.add(interval)
+            log.info("staleness_follows_scrape_interval", deployment=self.deployment.name, target=target.target,
+                     scrape_interval_seconds=interval, max_scrape_age_seconds=self._max_scrape_age_seconds(interval),
+                     stale_after_seconds=self._stale_after_seconds)
+        return interval
+
+    def _max_scrape_age_seconds(self, interval_seconds: float | None) -> float:
+        if interval_seconds is None:
+            return self._stale_after_seconds
+        return max(self._stale_after_seconds, SCRAPE_INTERVALS_ALLOWED * interval_seconds)
+
+    def _torn(self, key: ScrapeKey, target: Target, spread_seconds: float | None,
+              allowed_seconds: float) -> TargetOutcome | None:
+        """None when the target's series are from one scrape; else the outcome that skips them:
+        the last window kept while there is one and the tear is younger than `allowed_seconds`."""
+        if spread_seconds is None or spread_seconds <= SAMPLE_TIME_TOLERANCE_SECONDS:
+            if self._torn_since.pop(key, None) is not None:
+                log.info("scrape_consistent", deployment=self.deployment.name, target=target.target)
+            return None
+        now = self._clock()
+        since = self._torn_since.setdefault(key, now)
+        reason = (f"its series carry different sample times (standard deviation {spread_seconds:.3g}s): "
+                  "parts of two scrapes (a remote-write backend still ingesting one?)")
+        if since == now:
+            log.warning("scrape_torn", deployment=self.deployment.name, target=target.target, reason=reason,
+                        action="kept the last window" if key in self._read_at else "not read")
+        if key not in self._read_at:
+            return TargetOutcome(target, error=reason)
+        if now - since > allowed_seconds:
+            self._read_at.pop(key, None)
+            return TargetOutcome(target, error=f"{reason}, for {now - since:.0f}s")
+        return TargetOutcome(target, unchanged=True)
 
     def _all_down(self, reason: str) -> tuple[TargetOutcome, ...]:
         """Every known target down; before any answer, one target named after Prometheus itself,
