@@ -10,14 +10,19 @@ The fit (`fit_windows`) is pure: robust (Huber weights on relative residuals, wi
 standard deviations left out: restarts, preemption storms), held near the seed in the directions the
 windows cannot tell apart (a ridge of 0.1% of the data's own weight toward the seed), and bounded to
 physically sane values (`model.FitBounds`; bandwidth and compute at least 5% of peak). It replaces the seed only with
-`min_windows` windows whose tokens in flight spread enough. `OnlineCalibrator` is the wiring: it
-collects the windows from the poller's readings, refits, swaps the setup the deployment predicts
-with (`SetupInUse`) and logs every refit that moves a parameter by more than 5%.
+`min_windows` windows whose tokens in flight spread enough. Each window's bytes are counted with its
+engine's own KV dtype and block size (`window_setup`), as its reading predicts. `OnlineCalibrator` is
+the wiring: it collects the windows from the poller's readings into each deployment's `WindowHistory`
+(thinned by time, so a fleet's fit spans the history as one engine's does), refits (deployments at
+staggered phases), swaps the setup the deployment predicts with (`SetupInUse`) and logs every refit
+that moves a parameter by more than 5%.
 """
 
 from __future__ import annotations
 
-import bisect
+import hashlib
+import heapq
+import itertools
 import math
 import statistics
 import threading
@@ -49,10 +54,13 @@ DEFAULT_MIN_WINDOWS = 30
 MIN_TOKENS_SPREAD_RATIO = 0.05
 LOG_CHANGE_RATIO = 0.05  # a refit that moves a parameter by more than this is logged
 # A fleet adds one window per engine per poll: 1,000 engines over 6 h at 15 s would be 1.4 million
-# windows. Past this many, every second one of the older half is dropped: the fit keeps its span
-# in time and its recent density, at a bounded memory and fit cost.
-# A refit over 5,000 windows costs ~0.8 s of CPU (20,000: ~3.3 s), measured on this 2-core machine.
-MAX_WINDOWS_PER_DEPLOYMENT = 5_000
+# windows. The history is cut into HISTORY_SLICES slices of time, and each keeps at most
+# WINDOWS_PER_SLICE windows (a uniform sample of the engines and moments in it): the fit spans the
+# whole history and weighs every part of it alike, whatever the engine count. One engine at 15 s
+# polls (4 windows per 1-minute slice of 6 h) keeps all of its windows.
+HISTORY_SLICES = 360
+WINDOWS_PER_SLICE = 8
+MAX_WINDOWS_PER_DEPLOYMENT = (HISTORY_SLICES + 1) * WINDOWS_PER_SLICE  # a partly expired slice at the old end
 # A refit costs O(windows): at most once this often (or a quarter of the holdout, if shorter). The
 # holdout (30 min by default) already delays what a refit learns; five minutes more costs nothing.
 REFIT_INTERVAL_SECONDS = 300.0
@@ -398,16 +406,63 @@ def _end_seconds(window: FitWindow) -> float:
     return window.end_seconds
 
 
-class DeploymentCalibration:
-    """One deployment's windows and fit."""
+def _sample_rank(identity: tuple[str, ...], end_seconds: float) -> int:
+    """A stable pseudo-random rank of one window: a slice keeps its lowest-ranked windows, a sample
+    that favours no engine and no moment, whatever order the windows arrive in (and across restarts)."""
+    digest = hashlib.blake2b(f"{identity!r}@{end_seconds!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
-    def __init__(self, deployment: Deployment, settings: Settings, bounds: Bounds) -> None:
+
+class WindowHistory:
+    """One deployment's windows, thinned by time: at most `per_slice` in each slice of
+    `history_seconds / slices`, so the kept windows always span the history, however many engines
+    feed it (halving the older half at a cap instead let a large fleet's history shrink to minutes)."""
+
+    def __init__(self, history_seconds: float, slices: int = HISTORY_SLICES,
+                 per_slice: int = WINDOWS_PER_SLICE) -> None:
+        self.slice_seconds = history_seconds / slices
+        self.per_slice = per_slice
+        # Per slice index, a heap of (-rank, arrival, window): its root is the highest-ranked kept.
+        self._slices: dict[int, list[tuple[int, int, FitWindow]]] = {}
+        self._arrivals = itertools.count()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, identity: tuple[str, ...], window: FitWindow) -> None:
+        kept = self._slices.setdefault(math.floor(window.end_seconds / self.slice_seconds), [])
+        entry = (-_sample_rank(identity, window.end_seconds), next(self._arrivals), window)
+        if len(kept) < self.per_slice:
+            heapq.heappush(kept, entry)
+            self._size += 1
+        elif entry[0] > kept[0][0]:  # ranks below the slice's highest: takes its place
+            heapq.heapreplace(kept, entry)
+
+    def between(self, oldest_seconds: float, newest_seconds: float) -> list[FitWindow]:
+        """The windows that ended in [oldest, newest], in time order; slices wholly older are dropped."""
+        first = math.floor(oldest_seconds / self.slice_seconds)
+        for index in [index for index in self._slices if index < first]:
+            self._size -= len(self._slices.pop(index))
+        windows = [window for kept in self._slices.values() for _, _, window in kept
+                   if oldest_seconds <= window.end_seconds <= newest_seconds]
+        windows.sort(key=_end_seconds)
+        return windows
+
+
+class DeploymentCalibration:
+    """One deployment's windows and fit. `refit_phase_ratio` (0-1) offsets its refits by that share of
+    the refit interval, so that a daemon's deployments do not all refit on the same poll."""
+
+    def __init__(self, deployment: Deployment, settings: Settings, bounds: Bounds,
+                 refit_phase_ratio: float = 0.0) -> None:
         self.deployment = deployment
         self.settings = settings
         self.bounds = bounds
         self.seed = deployment.resolved.setup
         self.seed_source = deployment.resolved.bandwidth_source
-        self._windows: list[FitWindow] = []  # in time order
+        self.refit_phase_ratio = refit_phase_ratio
+        self.windows = WindowHistory(settings.history_seconds)
         self._seen: dict[tuple[str, ...], float] = {}
         self._since_refit = 0
         self._last_refit_seconds: float | None = None
@@ -419,37 +474,31 @@ class DeploymentCalibration:
         if self._seen.get(identity) == window.end_seconds:
             return  # the same window published again (no newer scrape)
         self._seen[identity] = window.end_seconds
-        if self._windows and window.end_seconds < self._windows[-1].end_seconds:
-            # Targets finish their fetches out of order: a binary search, not a scan of every window.
-            bisect.insort(self._windows, window, key=_end_seconds)
-        else:
-            self._windows.append(window)
+        self.windows.add(identity, window)
         self._since_refit += 1
-        if len(self._windows) > MAX_WINDOWS_PER_DEPLOYMENT:
-            self._thin()
-
-    def _thin(self) -> None:
-        """Drop every second window of the older half (the windows are kept in time order)."""
-        half = len(self._windows) // 2
-        self._windows = self._windows[:half:2] + self._windows[half:]
 
     def windows_for_fit(self, now_seconds: float) -> list[FitWindow]:
-        oldest = now_seconds - self.settings.history_seconds
-        del self._windows[:bisect.bisect_left(self._windows, oldest, key=_end_seconds)]
-        newest = now_seconds - self.settings.holdout_seconds
-        return self._windows[:bisect.bisect_right(self._windows, newest, key=_end_seconds)]
+        return self.windows.between(now_seconds - self.settings.history_seconds,
+                                    now_seconds - self.settings.holdout_seconds)
+
+    @property
+    def refit_interval_seconds(self) -> float:
+        return min(REFIT_INTERVAL_SECONDS, self.settings.holdout_seconds / 4)
 
     def due(self, now_seconds: float) -> bool:
         """Refit after a third of min_windows new windows (at least one), and not more often than
         REFIT_INTERVAL_SECONDS: a refit per poll would cost O(windows) each time for no better answer."""
         if self._since_refit < max(1, self.settings.min_windows // 3):
             return False
-        interval = min(REFIT_INTERVAL_SECONDS, self.settings.holdout_seconds / 4)
-        return self._last_refit_seconds is None or now_seconds - self._last_refit_seconds >= interval
+        last = self._last_refit_seconds
+        return last is None or now_seconds - last >= self.refit_interval_seconds
 
     def refit(self, now_seconds: float) -> Fit:
         self._since_refit = 0
-        self._last_refit_seconds = now_seconds
+        # The first refit (a young history: cheap) sets the phase every later one keeps.
+        first = self._last_refit_seconds is None
+        self._last_refit_seconds = now_seconds - (self.refit_phase_ratio * self.refit_interval_seconds
+                                                  if first else 0.0)
         fit = fit_windows(self.seed, self.windows_for_fit(now_seconds), self.bounds,
                           min_windows=self.settings.min_windows)
         self.fit = fit
@@ -481,11 +530,11 @@ class OnlineCalibrator:
     def __init__(self, deployments: Sequence[Deployment]) -> None:
         self._lock = threading.Lock()
         self.deployments: dict[str, DeploymentCalibration] = {}
-        for deployment in deployments:
-            settings = deployment.online_calibration
-            if settings is None or not settings.enabled:
-                continue
-            calibration = DeploymentCalibration(deployment, settings, Bounds.of_setup(deployment.resolved))
+        enabled = [(deployment, settings) for deployment in deployments
+                   if (settings := deployment.online_calibration) is not None and settings.enabled]
+        for index, (deployment, settings) in enumerate(enabled):
+            calibration = DeploymentCalibration(deployment, settings, Bounds.of_setup(deployment.resolved),
+                                                index / len(enabled))
             calibration.publish()
             self.deployments[deployment.name] = calibration
 
