@@ -68,7 +68,9 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     bandwidth = 2e12
     compute = 0.5 * get_gpu("h100-sxm").peak_flops_per_second["bf16"]
 
-    tokens = 0.3 * 4096 * 16  # usage ratio x GPU blocks x block size
+    # Usage ratio x (GPU blocks - the null block) x block size, less 8 running requests' half-empty last
+    # blocks of 16 tokens ((16 - 1) / 2 each).
+    tokens = 0.3 * (4096 - 1) * 16 - 8 * (16 - 1) / 2
     measured_mean = (5.9 - 1.5) / (300 - 100)
     # Median from bucket deltas as histogram_quantile: 200 observations, rank 100; deltas
     # 0.01:10, 0.025:90, 0.05:180 -> inside (0.025, 0.05], 10 of that bucket's 90 in: 27.8 ms, which
@@ -141,11 +143,13 @@ def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: Pag
                  "stepbudget_measured_step_median_lower_seconds", "stepbudget_measured_step_median_upper_seconds",
                  "stepbudget_prediction_error_ratio", "stepbudget_prefill_tokens_per_step"):
         assert name not in samples, name
-    assert only(samples, "stepbudget_tokens_in_flight") == pytest.approx(0.05 * 4096 * 16)
+    # The used blocks (the usage counts no null block) less the 2 running requests' half-empty last blocks.
+    tokens = 0.05 * (4096 - 1) * 16 - 2 * (16 - 1) / 2
+    assert only(samples, "stepbudget_tokens_in_flight") == pytest.approx(tokens)
     # Decode only, since the prefill rate is unknown: 2 tokens in the step.
     arch = get_model_preset("qwen3-8b")
     compute = 0.5 * get_gpu("h100-sxm").peak_flops_per_second["bf16"]
-    attention = 4 * arch.layers * arch.attention_heads * arch.head_dim * 0.05 * 4096 * 16
+    attention = 4 * arch.layers * arch.attention_heads * arch.head_dim * tokens
     assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(
         (2 * arch.params * 2 + attention) / compute)
     # The default bandwidth is 0.6 x the datasheet peak, and says so.
@@ -161,7 +165,8 @@ def test_two_engines_on_one_page_are_two_readings(page_server: PageServer, clock
                                      VllmState(engine="1", running=3, kv_usage_ratio=0.5)))
     poller.poll_once()
     tokens = {labels["engine"]: value for labels, value in scrape(config, poller)["stepbudget_tokens_in_flight"]}
-    assert tokens == {"0": pytest.approx(0.25 * 65536), "1": pytest.approx(0.5 * 65536)}
+    # Each engine's 4,096 blocks of 16 less the null block, less its running requests' half-empty last blocks.
+    assert tokens == {"0": pytest.approx(0.25 * 4095 * 16 - 1 * 7.5), "1": pytest.approx(0.5 * 4095 * 16 - 3 * 7.5)}
 
 
 def test_gone_model_and_gone_target_leave_the_export(make_page_server, clock: ManualClock,

@@ -37,7 +37,8 @@ def test_the_pages_fp8_kv_cache_wins_over_the_config_and_is_said_once(
         poller.poll_once()
     (reading,) = poller.readings()
     arch = get_model_preset("qwen3-8b")
-    tokens = 0.25 * 4096 * 32
+    # The used blocks (the null block is not among the usage's), less each request's half-empty last block.
+    tokens = 0.25 * (4096 - 1) * 32 - 10 * (32 - 1) / 2
     fp8_kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 1  # one byte per element
     assert reading.tokens_in_flight == tokens
     assert reading.step_read_bytes == pytest.approx(arch.params * 2 + fp8_kv_per_token * tokens)
@@ -184,7 +185,10 @@ def test_fp8_on_a_genuine_page_wins_over_the_config(page_server: PageServer, clo
     poller.poll_once()
     (reading,) = poller.readings()
     arch = get_model_preset("qwen3-8b")
-    tokens = fed["kv_cache_usage_ratio"] * fed["kv_cache_capacity_tokens"]
+    # num_gpu_blocks="23574" block_size="16" on the page: the used blocks (no null block among the usage's)
+    # less each running request's half-empty last block.
+    assert fed["kv_cache_capacity_tokens"] == 23574 * 16
+    tokens = fed["kv_cache_usage_ratio"] * (23574 - 1) * 16 - fed["requests_running"] * (16 - 1) / 2
     fp8_kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 1
     assert reading.kv_cache_dtype == "fp8"
     assert reading.tokens_in_flight == pytest.approx(tokens)

@@ -301,7 +301,7 @@ def test_good_then_failing_target_keeps_values_until_stale_after(page_server: Pa
     clock.advance(15)
     with capture_logs() as logs:
         back = only_reading(poller.poll_once().readings)
-    assert back.target_up is True and back.tokens_in_flight == pytest.approx(0.2 * 65536)
+    assert back.target_up is True and back.tokens_in_flight == pytest.approx(0.2 * 4095 * 16 - 4 * 7.5)
     assert any(line["event"] == "target_up" for line in logs)
 
 
@@ -401,7 +401,9 @@ def test_routine_window_gaps_are_quiet_but_a_page_without_the_histogram_is_logge
             clock.advance(15)
             poller.poll_once()
     [line] = [line for line in logs if line["event"] == "reading_partial"]
-    assert line["left_out"] == ["measured_step_seconds", "measured_step_median_seconds", "prediction_error_ratio"]
+    assert line["left_out"] == ["measured_step_seconds", "measured_step_median_seconds",
+                                "measured_step_median_lower_seconds", "measured_step_median_upper_seconds",
+                                "prediction_error_ratio"]
     assert any("inter_token_latency" in note for note in line["notes"])
 
 
