@@ -526,9 +526,9 @@ def test_the_prometheus_query_timeout_defaults_from_the_poll_interval(tmp_path: 
     (deployment,) = load_config(str(write(tmp_path, _prometheus_minimal()))).deployments
     assert deployment.prometheus is not None and deployment.prometheus.query_timeout_seconds == 12
     short = load_config(str(write(tmp_path, "poll_interval: 2s\n" + _prometheus_minimal())))
-    assert short.deployments[0].prometheus.query_timeout_seconds == 5  # type: ignore[union-attr]
+    assert short.deployments[0].prometheus.query_timeout_seconds == 5  # type: ignore[union-attr]  # prometheus is set: the line above asserts it
     given = load_config(str(write(tmp_path, "poll_interval: 30s\n" + _prometheus_minimal(query_timeout="40s"))))
-    assert given.deployments[0].prometheus.query_timeout_seconds == 40  # type: ignore[union-attr]
+    assert given.deployments[0].prometheus.query_timeout_seconds == 40  # type: ignore[union-attr]  # prometheus is set: a prometheus source
     assert given.stale_after_seconds == 2 * 30 + 40  # the slowest read a poll may wait for
 
 

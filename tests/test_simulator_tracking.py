@@ -21,24 +21,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from exporter.serve.collector import make_registry
-from exporter.serve.config import Deployment, config_from_mapping
+from exporter.serve.config import Deployment
 from exporter.serve.reading import Reading
 from exporter.simulator import AGENTS_JOIN_SECONDS, AGENTS_LEAVE_SECONDS, Simulator, load_scenario
 from tests.support.simulated_polls import simulated_polls
-from tests.support.simulator import SPEC, simulated_calibration, true_mean_step_seconds
+from tests.support.simulator import SPEC, calibrated_deployment, simulated_calibration, true_mean_step_seconds
 
 POLL_SECONDS = 15.0
 TOLERANCE = 0.15
-
-
-def _deployment() -> Deployment:
-    calibration = simulated_calibration()
-    config = config_from_mapping({"deployments": [{
-        "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm",
-        "effective_bandwidth": calibration.effective_bandwidth_bytes_per_second,
-        "step_overhead": calibration.step_overhead_seconds,
-        "targets": {"static": ["http://127.0.0.1:8000/metrics"]}}]})
-    return config.deployments[0]
 
 
 @dataclass(frozen=True)
@@ -52,7 +42,7 @@ class Poll:
 
 @cache
 def _run(scenario: str, until_seconds: float) -> tuple[tuple[Poll, ...], Deployment]:
-    deployment = _deployment()
+    deployment = calibrated_deployment()
     sim = Simulator(SPEC, load_scenario(scenario), record_steps=True)
     polls: list[Poll] = []
     for poll in simulated_polls(sim, deployment, POLL_SECONDS, until_seconds):

@@ -22,9 +22,8 @@ from exporter.serve.snapshot import Histogram, Snapshot
 from exporter.serve.window import compute_window, histogram_quantile
 from exporter.simulator import Simulator
 from tests.support.simulated_polls import simulated_polls
-from tests.support.simulator import SPEC, true_mean_step_seconds
+from tests.support.simulator import SPEC, calibrated_deployment, true_mean_step_seconds
 from tests.support.tools import require_tool
-from tests.test_simulator_tracking import _deployment as calibrated_deployment
 
 EDGES = ("0.01", "0.025", "0.05")
 

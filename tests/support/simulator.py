@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.capacity import calibrate, model
 from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.capacity.presets import GPUS, MODELS
+from exporter.serve.config import Deployment, config_from_mapping
 from exporter.simulator import ServerSpec, Simulator, StepRecord
 from exporter.simulator.engine import single_stream_token_seconds
 
@@ -73,3 +74,14 @@ def simulated_calibration() -> model.Calibration:
         gaps = tuple(later - earlier for earlier, later in itertools.pairwise(times))
         measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
     return model.calibrate(calibrate.points_from_measurements(setup, measurements))
+
+
+def calibrated_deployment() -> Deployment:
+    """A qwen3-8b / h100-sxm deployment seeded with the simulator's one-stream calibration."""
+    calibration = simulated_calibration()
+    config = config_from_mapping({"deployments": [{
+        "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm",
+        "effective_bandwidth": calibration.effective_bandwidth_bytes_per_second,
+        "step_overhead": calibration.step_overhead_seconds,
+        "targets": {"static": ["http://127.0.0.1:8000/metrics"]}}]})
+    return config.deployments[0]
