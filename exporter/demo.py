@@ -464,13 +464,13 @@ def _run(args: argparse.Namespace, duration: float | None, poll_seconds: float, 
           f"scrape_configs: [{{job_name: stepbudget, static_configs: [{{targets: ['127.0.0.1:{port}']}}]}}])",
           flush=True)
     by_name = {pool.deployment: pool for pool in pools}
-    tallies, elapsed_seconds = _watch(daemon_url, by_name, poll_seconds, duration, process, stop)
+    tallies, elapsed_seconds = watch(daemon_url, by_name, poll_seconds, duration, process, stop)
     print(summary(tallies, by_name, elapsed_seconds), flush=True)
     print(f"the daemon's metrics were at {metrics_url}", flush=True)
     return 0
 
 
-def _watch(daemon_url: str, pools: dict[str, Pool], poll_seconds: float, duration: float | None,
+def watch(daemon_url: str, pools: dict[str, Pool], poll_seconds: float, duration: float | None,
            process: subprocess.Popen[bytes], stop: threading.Event) -> tuple[dict[str, Tally], float]:
     """Refresh the view every poll until the duration ends, Ctrl-C or SIGTERM; (tallies, seconds)."""
     interactive = sys.stdout.isatty()

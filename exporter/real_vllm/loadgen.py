@@ -85,6 +85,9 @@ class Phase:
     concurrency: int
     prompt_tokens: int
     max_tokens: int
+    # Each request's lengths drawn uniformly within +-this share of the above: clients in lockstep would
+    # cross block boundaries together, which no real load does.
+    spread_ratio: float = 0.0
 
 
 class LoadGenerator:
@@ -117,7 +120,8 @@ class LoadGenerator:
         """Tokens all running requests hold at `at_seconds` (prompt + generated so far)."""
         return sum(stream.tokens_held_at(at_seconds) for stream in self.streams)
 
-    def running_at(self, at_seconds: float) -> int:
+    def outstanding_at(self, at_seconds: float) -> int:
+        """Requests sent and not finished at `at_seconds`: the server's running plus waiting."""
         return sum(1 for stream in self.streams if stream.running_at(at_seconds))
 
     def mean_gap_seconds(self, start_seconds: float, end_seconds: float) -> tuple[float | None, int]:
@@ -164,9 +168,14 @@ class LoadGenerator:
 
     def _loop(self, phase: Phase, stop: threading.Event) -> None:
         while not stop.is_set():
-            stream = self._request(phase.prompt_tokens, phase.max_tokens)
+            stream = self._request(self._spread(phase.prompt_tokens, phase.spread_ratio),
+                                   self._spread(phase.max_tokens, phase.spread_ratio))
             if stream.error is not None:
                 stop.wait(1.0)  # a refused or broken request: back off instead of spinning
+
+    def _spread(self, tokens: int, spread_ratio: float) -> int:
+        with self._lock:
+            return max(1, round(tokens * (1.0 + self._random.uniform(-spread_ratio, spread_ratio))))
 
     def _prompt(self, tokens: int) -> list[int]:
         with self._lock:

