@@ -35,8 +35,10 @@ DEFAULT_LONG_CONTEXT_TOKENS = 16384
 DEFAULT_OUTPUT_TOKENS = 64
 DEFAULT_TIMEOUT_SECONDS = 30.0
 # Token ids for synthetic prompts: low ids exist in every tokenizer's vocabulary, and a fixed seed
-# makes the prompt (and so the context) the same on every run.
-_PROMPT_TOKEN_ID_RANGE = (100, 10000)
+# makes the prompt (and so the context) the same on every run. Under 1,000: vLLM refuses an id past
+# the model's vocabulary ("Token id 9985 is out of vocabulary", 400, from the real vLLM 0.32.0 serving
+# an 8,192-token vocabulary), and no real tokenizer has fewer than 1,000 tokens.
+_PROMPT_TOKEN_ID_RANGE = (100, 1000)
 _PROMPT_SEED = 20240601
 
 Clock = Callable[[], float]
