@@ -224,6 +224,15 @@ def start_daemon(config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def launch_daemon(config_path: Path, log_path: Path, url: str, started: list[Callable[[], None]]
+                  ) -> subprocess.Popen[bytes]:
+    """Start the daemon, register its stop in `started`, and wait until it answers (RuntimeError if not)."""
+    process = start_daemon(config_path, log_path)
+    started.append(lambda: stop_daemon(process))
+    wait_until_ready(url, process, log_path)
+    return process
+
+
 def wait_until_ready(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
@@ -452,10 +461,8 @@ def _run(args: argparse.Namespace, duration: float | None, poll_seconds: float, 
     print(f"3. starting the daemon: stepbudget serve --config {config_path.name} (calibrated bandwidth and "
           f"overhead as the seed, refitted online from its own windows once it has "
           f"{DEMO_ONLINE_CALIBRATION['min_windows']}; poll every {poll_seconds:g} s)", flush=True)
-    process = start_daemon(config_path, log_path)
-    started.append(lambda: stop_daemon(process))
     try:
-        wait_until_ready(daemon_url, process, log_path)
+        process = launch_daemon(config_path, log_path, daemon_url, started)
     except RuntimeError as error:
         print(f"stepbudget demo: error: {error}", file=sys.stderr)
         return 1

@@ -69,6 +69,7 @@ from tests.support.e2e.stack import (
     prometheus_config,
     rate_interval,
     resolve_variables,
+    start_alertmanager_and_prometheus,
     start_process,
     substitute,
     wait_for,
@@ -171,12 +172,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
     processes: list[ManagedProcess] = []
     try:
-        processes.append(start_process("alertmanager", [
-            alertmanager_binary, f"--config.file={am_config}", f"--storage.path={work / 'am-data'}",
-            f"--web.listen-address={am_address}", "--cluster.listen-address="], work))
-        processes.append(start_process("prometheus", [
-            prometheus_binary, f"--config.file={prom_config}", f"--storage.tsdb.path={work / 'prom-data'}",
-            f"--web.listen-address={prom_address}"], work))
+        processes += start_alertmanager_and_prometheus(
+            work, alertmanager=(alertmanager_binary, am_config, am_address),
+            prometheus=(prometheus_binary, prom_config, prom_address))
         simulators_launched = time.monotonic()
         for seed, (scenario, port) in enumerate(sim_ports.items()):
             processes.append(start_process(f"simulate-{scenario}", [

@@ -33,6 +33,7 @@ from tests.support.e2e.stack import (
     copy_rules_with_for,
     get_text,
     prometheus_config,
+    start_alertmanager_and_prometheus,
     start_process,
     wait_for,
     webhook_alerts,
@@ -100,12 +101,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         processes: list[ManagedProcess] = []
         load = LoadGenerator(server.base_url, "tiny", vocab_size=vocab_size(), seed=5)
         try:
-            processes.append(start_process("alertmanager", [
-                alertmanager_binary, f"--config.file={am_config}", f"--storage.path={work / 'am-data'}",
-                f"--web.listen-address={am_address}", "--cluster.listen-address="], work))
-            processes.append(start_process("prometheus", [
-                prometheus_binary, f"--config.file={prom_config}", f"--storage.tsdb.path={work / 'prom-data'}",
-                f"--web.listen-address={prom_address}"], work))
+            processes += start_alertmanager_and_prometheus(
+                work, alertmanager=(alertmanager_binary, am_config, am_address),
+                prometheus=(prometheus_binary, prom_config, prom_address))
             processes.append(start_process("serve", [
                 sys.executable, "-m", "exporter.cli", "serve", "--config", str(daemon_config)], work))
             stack = Stack(server, PrometheusApi(f"http://{prom_address}"), f"http://{am_address}",

@@ -32,10 +32,8 @@ from exporter.capacity.presets import CUSTOM_GPU, DeviceFigures, device
 from exporter.demo import (
     DEFAULT_DAEMON_PORT,
     free_port_from,
-    start_daemon,
-    stop_daemon,
+    launch_daemon,
     summary,
-    wait_until_ready,
     watch,
 )
 from exporter.real_vllm.loadgen import LoadGenerator, Phase
@@ -123,10 +121,8 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
                                                         calibration_path, server.metrics_url), sort_keys=False))
     print(f"3. the daemon: stepbudget serve --config {config_path} (polls every {poll_seconds:g} s)", flush=True)
     log_path = workdir / "daemon.log"
-    process = start_daemon(config_path, log_path)
-    started.append(lambda: stop_daemon(process))
     try:
-        wait_until_ready(daemon_url, process, log_path)
+        process = launch_daemon(config_path, log_path, daemon_url, started)
     except RuntimeError as error:
         print(f"make demo-vllm: error: {error}", file=sys.stderr)
         return 1

@@ -115,6 +115,24 @@ def start_process(name: str, argv: Sequence[str], log_dir: Path) -> ManagedProce
     return ManagedProcess(name, popen, log_path)
 
 
+def start_alertmanager_and_prometheus(work: Path, *, alertmanager: tuple[str, Path, str],
+                                      prometheus: tuple[str, Path, str]) -> list[ManagedProcess]:
+    """Both real servers, each (binary, config file, listen address), their data under `work`."""
+    alertmanager_binary, am_config, am_address = alertmanager
+    prometheus_binary, prom_config, prom_address = prometheus
+    started = [start_process("alertmanager", [
+        alertmanager_binary, f"--config.file={am_config}", f"--storage.path={work / 'am-data'}",
+        f"--web.listen-address={am_address}", "--cluster.listen-address="], work)]
+    try:
+        started.append(start_process("prometheus", [
+            prometheus_binary, f"--config.file={prom_config}", f"--storage.tsdb.path={work / 'prom-data'}",
+            f"--web.listen-address={prom_address}"], work))
+    except BaseException:
+        started[0].stop()
+        raise
+    return started
+
+
 # --- recording HTTP servers -----------------------------------------------------------------------------
 
 
