@@ -37,6 +37,10 @@ PAGE_FOR_SECONDS = 300.0
 OVER = vllm_page(VllmState(running=32, kv_usage_ratio=0.9, num_gpu_blocks=16384))
 UNDER = vllm_page(VllmState(running=4, kv_usage_ratio=0.1, num_gpu_blocks=16384))
 BUDGET_SECONDS = 0.9 / 50
+# The same busy page with the engine put to sleep (level 1, as vLLM 0.11+ writes it: docs/engines.md).
+ASLEEP = OVER.rstrip("\n") + "\n" + "".join(
+    f'vllm:engine_sleep_state{{engine="0",model_name="Qwen/Qwen3-8B",sleep_state="{state}"}} {value}\n'
+    for state, value in (("awake", "0.0"), ("weights_offloaded", "1.0"), ("discard_all", "0.0")))
 
 
 def _config() -> Config:
@@ -240,6 +244,39 @@ def test_an_answering_page_without_the_figures_is_held_only_for_the_hold(clock: 
     _feed(alerts, clock, [blind], 2)
     assert _page(alerts) == []
     _feed(alerts, clock, [DOWN], 1)  # released is released: a later outage does not bring it back
+    assert _page(alerts) == []
+
+
+def test_an_engine_put_to_sleep_while_over_budget_resolves_the_page_at_once(
+        clock: ManualClock, make_poller: MakePoller) -> None:
+    """A sleeping engine serves nothing, so it slows nobody: its reading (still up, no predicted step)
+    releases the page's memory at the first poll that sees it, not PAGE_HOLD_SECONDS later."""
+    server = Server(OVER)
+    rig = _rig(make_poller(_config(), clock, fetch=server), clock)
+    rig.poller.poll_once()
+    rig.poll_for(PAGE_FOR_SECONDS)
+    assert rig.page() == ["firing"]
+
+    server.page = ASLEEP
+    rig.poll_for(POLL_SECONDS)
+    (reading,) = rig.poller.readings()
+    assert (reading.target_up, reading.engine_sleeping, reading.predicted_step_seconds) == (True, 1.0, None)
+    assert rig.page() == [], "a sleeping engine kept the page"
+    rig.poll_for(PAGE_HOLD_SECONDS)
+    assert rig.page() == []
+
+
+def test_a_sleeping_engine_releases_the_page_and_a_later_outage_does_not_bring_it_back(clock: ManualClock) -> None:
+    """Firing, then asleep (the step budget kept, no prediction): resolved at that evaluation; the
+    target then stops answering: nothing held (the rule's last_over_time of the sleep gauge agrees)."""
+    alerts = _loop(clock)
+    alerts.evaluate([_reading()], clock.now)
+    _feed(alerts, clock, [_reading()], 5)
+    assert _page(alerts) == [("firing", "0.025")]
+    asleep = _reading(predicted_step_seconds=None, sleep_state="weights_offloaded")
+    _feed(alerts, clock, [asleep], 1)
+    assert _page(alerts) == []
+    _feed(alerts, clock, [DOWN], 10)
     assert _page(alerts) == []
 
 

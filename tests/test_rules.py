@@ -106,7 +106,7 @@ def test_the_page_is_predicted_step_over_budget_critical_for_five_minutes() -> N
     assert page["for"] == "5m"
     # Predicted over budget by the last reading; held by its own memory while the target is down.
     assert metric_names(page["expr"]) == {"stepbudget_predicted_step_seconds", "stepbudget_step_budget_seconds",
-                                          "stepbudget_target_up", PAGE_MEMORY}
+                                          "stepbudget_target_up", "stepbudget_engine_sleeping", PAGE_MEMORY}
     assert [r["alert"] for r in _alerts() if r["labels"]["severity"] == "critical"] == [page["alert"]]
 
 
@@ -237,6 +237,14 @@ def _without_memory(expr: str) -> str:
     return expr.split("\nor\n")[0] + "\n"
 
 
+_SLEEPING = "max without (instance, job) (last_over_time(stepbudget_engine_sleeping[30m])) == 1"
+
+
+def _awake_always(expr: str) -> str:
+    """The hold as it was before a sleeping engine released it: no `unless` on the sleep gauge."""
+    return re.sub(r"\n\s*unless\n\s*" + re.escape(_SLEEPING), "", expr)
+
+
 # (id, rule (alert or record name), change of its expression). Each is a way the page could lose its
 # hold, or keep it where it must not; tests/rules/stepbudget.alerts_test.yaml must notice every one.
 HOLD_MUTATIONS = [
@@ -247,6 +255,10 @@ HOLD_MUTATIONS = [
     ("held while the target answers", PAGE, lambda expr: expr.replace("== 0", ">= 0")),
     ("a memory that carries nothing", PAGE_MEMORY, _without_memory),
     ("a memory carried while the target answers", PAGE_MEMORY, lambda expr: expr.replace("== 0", ">= 0")),
+    ("held while the engine sleeps", PAGE, _awake_always),
+    ("a memory carried while the engine sleeps", PAGE_MEMORY, _awake_always),
+    ("asleep only while the sleep gauge is fresh", PAGE,
+     lambda expr: expr.replace(_SLEEPING, "max without (instance, job) (stepbudget_engine_sleeping) == 1")),
 ]
 
 

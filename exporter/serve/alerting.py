@@ -21,7 +21,9 @@ stays firing, with the same labels and the last reading's value, until the targe
 again. While the target is still polled and down that lasts as long as it is down; a series the
 readings no longer carry (dropped by discovery, or an answering page without the figures) is held
 PAGE_HOLD_SECONDS after its last reading and then forgotten, so a pod scaled down while over budget
-does not page forever. The rule expression does the same with last_over_time and a recorded memory.
+does not page forever. A target whose engine is put to sleep (Reading.engine_sleeping) is not held at
+all: it serves nothing, so the page resolves at its first sleeping reading. The rule expression does the
+same with last_over_time, a recorded memory and `unless` the last stepbudget_engine_sleeping says asleep.
 """
 
 from __future__ import annotations
@@ -86,10 +88,13 @@ class History:
     over_budget: LastOverBudget | None = None
 
     def remember(self, reading: Reading, now: float) -> None:
-        """Update the page's memory as the page rule does: a reading with both figures decides; one
-        without keeps the memory while the target is down, or within the hold; else it is released."""
+        """Update the page's memory as the page rule does: a sleeping engine releases it at once (it
+        serves nothing, so it slows nobody); a reading with both figures decides; one without keeps the
+        memory while the target is down, or within the hold; else it is released."""
         predicted, budget = reading.predicted_step_seconds, reading.step_budget_seconds
-        if predicted is not None and budget is not None:
+        if reading.engine_sleeping == 1.0:
+            self.over_budget = None
+        elif predicted is not None and budget is not None:
             self.over_budget = LastOverBudget(predicted, now) if predicted > budget else None
         elif reading.target_up:
             self.forget_after_hold(now)
