@@ -3,10 +3,10 @@ clients themselves know.
 
 One real server for the module (tests/support/real_vllm.py), one load script run once: 4 chat streams,
 then 16, then two 3,500-token sessions join the 16 (their prompts prefilled in 2,048-token chunks, each
-such step lasting seconds on this CPU), a drain, then 9 requests of 1,750 + 60 tokens that cannot all fit
-in the 16,384-token cache. The daemon's own Poller reads the page over HTTP every 3 s; every assertion
-compares its reading with the load generator's ground truth (exporter/real_vllm/loadgen.py): tokens each
-request holds, token arrival times.
+such step lasting seconds on this CPU), a drain, then for a minute 9 clients sending requests of
+1,750 + 60 tokens, which cannot all fit in the 16,384-token cache. The daemon's own Poller reads the page
+over HTTP every 3 s; every assertion compares its reading with the load generator's ground truth
+(exporter/real_vllm/loadgen.py): tokens each request holds, token arrival times.
 """
 
 from __future__ import annotations
@@ -34,17 +34,19 @@ KV_CACHE_BLOCKS = 128
 CHUNK_TOKENS = 2048  # vLLM's default max_num_batched_tokens on the CPU backend (its startup log says so)
 LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS = 3500, 120
 # 9 prompts of 14 blocks fit (126 of 127); past 1,792 tokens each needs a 15th, so one is preempted, and
-# the 14 blocks it frees let the other 8 finish before it is readmitted: one preemption, no thrashing.
+# the 14 blocks it frees let the other 8 finish before it is readmitted.
 OVERLOAD_REQUESTS, OVERLOAD_PROMPT_TOKENS, OVERLOAD_OUTPUT_TOKENS = 9, 1750, 60
 SCRIPT = [
     Step(start=Phase("chat4", 4, 128, 300, spread_ratio=0.5), seconds=15),
     Step(stop="chat4", start=Phase("chat16", 16, 128, 300, spread_ratio=0.5), seconds=21),
     Step(start=Phase("long", 2, LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS), seconds=24, label="chat16+long"),
-    Step(stop="chat16", label="drain", drain=True),
+    Step(stop="chat16", label="drain"),  # no wait: the next step stops the sessions and drains both
     Step(stop="long", drain=True, label="drain"),
-    # Each of the 9 clients sends one request and stops: a single batch that outgrows the cache.
-    Step(start=Phase("overload", OVERLOAD_REQUESTS, OVERLOAD_PROMPT_TOKENS, OVERLOAD_OUTPUT_TOKENS), stop="overload",
-         drain=True),
+    # 9 closed-loop clients for a minute: each batch of 9 outgrows the cache, one request is preempted
+    # and waits until the others finish; then the clients stop and the last requests drain.
+    Step(start=Phase("overload", OVERLOAD_REQUESTS, OVERLOAD_PROMPT_TOKENS, OVERLOAD_OUTPUT_TOKENS),
+         seconds=60),
+    Step(stop="overload", drain=True, label="overload"),
 ]
 
 

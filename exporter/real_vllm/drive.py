@@ -33,7 +33,8 @@ class PollRecord:
 
 @dataclass(frozen=True)
 class Step:
-    """One line of a load script: start a phase, stop one, or let `seconds` pass (polling)."""
+    """One line of a load script: stop a phase, start one (in that order), or let `seconds` pass (polling).
+    A phase started runs until a later step stops it."""
 
     start: Phase | None = None
     stop: str | None = None
