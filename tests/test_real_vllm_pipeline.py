@@ -213,8 +213,8 @@ def test_no_page_while_every_window_measures_under_budget(run: Run) -> None:
     steps: a predicted step of seconds for one or two windows (docs/engines.md). A production `for` of 5m
     never pages on it. Not the overload phase: a batch of long prompts into a full cache, with a
     preemption and its recompute, is the same transient several times over (an earlier run, with eight
-    1,900-token prompts thrashing the cache for minutes, predicted ~20% over the ~130 ms measured from the
-    uncalibrated seed this module keeps, against a 150 ms budget).
+    clients of 1,900-token prompts filling the cache for minutes, predicted ~20% over the ~130 ms measured
+    from the uncalibrated seed this module keeps, against a 150 ms budget).
     """
     page_for_seconds = 5 * POLL_SECONDS
     loop = AlertLoop(Alerting(for_seconds=page_for_seconds), poll_interval_seconds=POLL_SECONDS,
