@@ -26,6 +26,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.scale import free_port  # after sys.path
 from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_ready  # after sys.path
 from exporter.real_vllm.demo import HOST  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
@@ -44,19 +45,9 @@ PHASES: list[tuple[str, list[Phase], float]] = [
 ]
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def run(workdir: Path) -> list[dict[str, object]]:
     server = start(VllmSettings(port=free_port(), max_model_len=8192), workdir / "vllm.log")
     try:
-        warm = LoadGenerator(server.base_url, "tiny", vocab_size=8192).one(16, 4)
-        assert warm.error is None, warm.error
         port = free_port()
         config = {
             "listen": f"127.0.0.1:{port}", "poll_interval": f"{POLL_SECONDS:g}s", "timeout": "10s",
@@ -72,7 +63,7 @@ def run(workdir: Path) -> list[dict[str, object]]:
         with open(log_path, "wb") as log:
             daemon = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_path)],
                                       stdout=log, stderr=subprocess.STDOUT)
-        load = LoadGenerator(server.base_url, "tiny", vocab_size=8192, seed=11)
+        load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=11)
         try:
             wait_until_ready(f"http://127.0.0.1:{port}", daemon, log_path)
             return _drive(load, f"http://127.0.0.1:{port}/metrics")

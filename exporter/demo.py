@@ -400,15 +400,24 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--speed must be greater than 0, got {args.speed!r}")
     if not 1 <= args.port <= 65535:
         raise InputError(f"--port must be 1-65535, got {args.port}")
-    workdir = Path(tempfile.mkdtemp(prefix="stepbudget-demo-"))
+    return run_stopping_everything(
+        "stepbudget-demo-", lambda workdir, started, stop: _run(args, duration, poll_seconds, workdir, started, stop))
+
+
+Story = Callable[[Path, list[Callable[[], None]], threading.Event], int]
+
+
+def run_stopping_everything(prefix: str, story: Story) -> int:
+    """Runs `story(workdir, started, stop)` in a scratch folder: Ctrl-C, SIGTERM and SIGHUP (the
+    terminal closed) set `stop`, so the view ends with its summary; then everything the story put in
+    `started` is stopped, last first, and the folder removed, whatever happened."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     started: list[Callable[[], None]] = []
     stop = threading.Event()
-    # Ctrl-C, SIGTERM and SIGHUP (the terminal closed) end the view with its summary, then
-    # everything started is stopped in order.
     previous = {signum: signal.signal(signum, lambda number, frame: stop.set())
                 for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _run(args, duration, poll_seconds, workdir, started, stop)
+        return story(workdir, started, stop)
     finally:
         for stop_one in reversed(started):
             stop_one()

@@ -40,7 +40,7 @@ from tests.support.e2e.stack import (
     write_yaml,
 )
 from tests.support.monitoring import ALERTS_FILE, RECORDING_FILE
-from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving, vocab_size
+from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving
 from tests.support.servers import free_port
 from tests.support.tools import require_tool
 
@@ -99,7 +99,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "alerting": {"alertmanager_urls": [f"http://{am_address}"], "for": SHORT_FOR},
         })
         processes: list[ManagedProcess] = []
-        load = LoadGenerator(server.base_url, "tiny", vocab_size=vocab_size(), seed=5)
+        load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=5)
         try:
             processes += start_alertmanager_and_prometheus(
                 work, alertmanager=(alertmanager_binary, am_config, am_address),

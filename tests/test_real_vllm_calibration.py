@@ -19,7 +19,7 @@ import pytest
 
 from exporter.real_vllm.loadgen import LoadGenerator, Phase
 from exporter.real_vllm.server import VllmServer
-from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving, vocab_size
+from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving
 
 pytestmark = pytest.mark.real_engine
 
@@ -59,7 +59,7 @@ def test_calibrate_url_predicts_a_load_it_never_saw_within_ten_percent(server: V
     overhead = _number(calibration, "step_overhead_seconds")
     assert 0 < bandwidth <= 27e9  # bounded by the peak given
     # Two streams at 3,000 tokens each: neither the short nor the long point, and two requests per step.
-    load = LoadGenerator(server.base_url, "tiny", vocab_size=vocab_size(), seed=3)
+    load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=3)
     load.start(Phase("two", 2, 3000, 120))
     time.sleep(2.0)
     load.stop("two")

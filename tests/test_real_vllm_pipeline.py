@@ -23,7 +23,7 @@ from exporter.real_vllm.loadgen import LoadGenerator, Phase, Stream
 from exporter.real_vllm.server import VllmServer
 from exporter.serve.alerting import AlertLoop
 from exporter.serve.config import Alerting, config_from_mapping
-from tests.support.real_vllm import BLOCK_SIZE_TOKENS, HOST_DEVICE, MODEL_CONFIG, serving, vocab_size
+from tests.support.real_vllm import BLOCK_SIZE_TOKENS, HOST_DEVICE, MODEL_CONFIG, serving
 
 pytestmark = pytest.mark.real_engine
 
@@ -69,7 +69,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                                           "online_calibration": {"enabled": False},
                                           "targets": {"static": [server.metrics_url]}}]})
         recorder = RecordingPoller(config)
-        load = LoadGenerator(server.base_url, "tiny", vocab_size=vocab_size(), seed=7)
+        load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=7)
         try:
             polls = drive(recorder, load, SCRIPT, POLL_SECONDS)
             dump_run(log_dir / "run.json", polls, load)

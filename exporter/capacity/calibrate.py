@@ -133,7 +133,7 @@ def measure_stream(
     started = clock()
     try:
         with urllib.request.urlopen(request, timeout=timeout_seconds) as response:
-            for payload in _sse_payloads(response):
+            for payload in sse_payloads(response):
                 if payload == "[DONE]":
                     break
                 if _is_token_chunk(payload, endpoint):
@@ -148,7 +148,7 @@ def measure_stream(
     return StreamMeasurement(context_tokens, output_tokens, arrivals[0] - started, gaps)
 
 
-def _sse_payloads(lines: Iterable[bytes]) -> Iterable[str]:
+def sse_payloads(lines: Iterable[bytes]) -> Iterable[str]:
     """Server-sent events: `data: {...}` lines separated by blank lines; other fields are ignored."""
     for raw in lines:
         line = raw.decode("utf-8", "replace").strip()

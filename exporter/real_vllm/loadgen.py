@@ -22,9 +22,11 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from exporter.capacity.calibrate import sse_payloads
 
 DEFAULT_TIMEOUT_SECONDS = 600.0  # one streamed read: a CPU step holding a long prompt chunk lasts seconds
 FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens (<s>, </s>, <unk>)
@@ -210,26 +212,11 @@ class LoadGenerator:
 def _usage_counts(response: http.client.HTTPResponse) -> Iterator[int]:
     """Completion tokens so far, once per server-sent event that carries new tokens."""
     last = 0
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+    for payload in sse_payloads(response):
+        if payload == "[DONE]":
             return
-        event = json.loads(payload)
-        usage = event.get("usage") or {}
+        usage = json.loads(payload).get("usage") or {}
         total = usage.get("completion_tokens")
         if isinstance(total, int) and total > last:
             last = total
             yield total
-
-
-def summarize(streams: Sequence[Stream]) -> dict[str, float]:
-    """Totals a test or the demo prints: requests, tokens, errors."""
-    return {
-        "requests": float(len(streams)),
-        "completed": float(sum(1 for s in streams if s.finished_at_seconds is not None and s.error is None)),
-        "errors": float(sum(1 for s in streams if s.error is not None)),
-        "generated_tokens": float(sum(s.arrivals[-1][1] if s.arrivals else 0 for s in streams)),
-    }

