@@ -88,8 +88,14 @@ NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(
                                      1.7976931348623157e308]))
 
 
+# Label names starting with "__" are reserved for Prometheus's own use, and prometheus_client's parser
+# (which reads both pages back) refuses them: the daemon never writes one.
+LABEL_NAMES = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,6}", fullmatch=True).filter(
+    lambda name: not name.startswith("__"))
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.dictionaries(st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,6}", fullmatch=True),
+@given(st.lists(st.tuples(st.dictionaries(LABEL_NAMES,
                                           st.text(max_size=12), max_size=4), NUMBERS), max_size=8),
        st.sampled_from(["gauge", "counter", "info", "unknown", "summary", "histogram", "stateset"]),
        st.text(max_size=20))
