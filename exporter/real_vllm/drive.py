@@ -29,6 +29,8 @@ class PollRecord:
     phase: str
     reading: Reading
     snapshot: Snapshot
+    # When the poll began: the server rendered its page somewhere in [fetch_started_seconds, at_seconds].
+    fetch_started_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,13 @@ class RecordingPoller:
                              read_page=reading_page)
 
     def poll(self, phase: str) -> PollRecord:
+        fetch_started_seconds = time.time()
         result = self.poller.poll_once()
         (reading,) = result.readings
         assert reading.target_up, f"the real server's page was not read: {reading.notes}"
         (snapshot,) = self._last
         assert reading.last_success_timestamp_seconds is not None
-        return PollRecord(reading.last_success_timestamp_seconds, phase, reading, snapshot)
+        return PollRecord(reading.last_success_timestamp_seconds, phase, reading, snapshot, fetch_started_seconds)
 
     def close(self) -> None:
         self.poller.stop()
@@ -98,7 +101,8 @@ def dump_run(path: Path, polls: list[PollRecord], load: LoadGenerator) -> None:
     """The run as JSON beside the server's log, for reading a failure afterwards: each poll's reading
     and every stream's arrivals."""
     document = {
-        "polls": [{"at_seconds": p.at_seconds, "phase": p.phase, "reading": asdict(p.reading)} for p in polls],
+        "polls": [{"at_seconds": p.at_seconds, "fetch_started_seconds": p.fetch_started_seconds, "phase": p.phase,
+                   "reading": asdict(p.reading), "snapshot": asdict(p.snapshot)} for p in polls],
         "streams": [asdict(stream) for stream in load.streams],
     }
     path.write_text(json.dumps(document, default=str))
