@@ -96,7 +96,8 @@ class LoadGenerator:
     """Closed-loop streaming clients against one server; every stream is kept for the ground truth."""
 
     def __init__(self, base_url: str, model: str, *, vocab_size: int, seed: int = 0,
-                 timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, clock: Callable[[], float] = time.time) -> None:
+                 timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, clock: Callable[[], float] = time.time,
+                 repeat_ids: int = 0) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"base URL must be http://host:port, got {base_url!r}")
@@ -106,6 +107,9 @@ class LoadGenerator:
         self._random = random.Random(seed)
         self._timeout_seconds = timeout_seconds
         self._clock = clock
+        # >0: each prompt is this many random ids repeated (the greedy continuation repeats them too, which
+        # ngram speculative decoding drafts from); 0: every id random, as before.
+        self._repeat_ids = repeat_ids
         self._lock = threading.Lock()
         self._streams: list[Stream] = []
         self._threads: list[threading.Thread] = []
@@ -181,7 +185,9 @@ class LoadGenerator:
 
     def _prompt(self, tokens: int) -> list[int]:
         with self._lock:
-            return [self._random.randrange(FIRST_TOKEN_ID, self._vocab_size) for _ in range(tokens)]
+            drawn = min(tokens, self._repeat_ids) if self._repeat_ids > 0 else tokens
+            unit = [self._random.randrange(FIRST_TOKEN_ID, self._vocab_size) for _ in range(drawn)]
+        return [unit[i % len(unit)] for i in range(tokens)] if unit else []
 
     def _request(self, prompt_tokens: int, max_tokens: int) -> Stream:
         body = json.dumps({

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from exporter.capacity import model
+from exporter.serve.window import tokens_per_step
 
 if TYPE_CHECKING:
     from exporter.serve.config import Deployment
@@ -33,13 +34,15 @@ VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
                 "measured_step_median_seconds", "measured_step_median_lower_seconds",
                 "measured_step_median_upper_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
-                "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio", "engine_sleeping")
+                "measured_user_tokens_per_second", "tokens_per_step", "step_budget_seconds", "token_budget_tokens",
+                "token_budget_utilization_ratio", "engine_sleeping")
 # Values measured over the window between two polls: absent on a first poll, an idle window or a
 # counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
 MEDIAN_FIELDS = ("measured_step_median_seconds", "measured_step_median_lower_seconds",
                  "measured_step_median_upper_seconds")
 Median = tuple[float | None, float | None, float | None]  # MEDIAN_FIELDS' values
-WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_ratio", "prefill_tokens_per_step")
+WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_ratio", "prefill_tokens_per_step",
+                 "measured_user_tokens_per_second")
 # Values from families only some releases or server flags give (vLLM 0.32's waiting-by-reason and
 # sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
 OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
@@ -90,6 +93,11 @@ class Reading:
     measured_step_median_upper_seconds: float | None = None
     prediction_error_ratio: float | None = None
     predicted_user_tokens_per_second: float | None = None
+    # Speculative decoding: tokens each stream gets per engine step (1 without it; Window.tokens_per_step),
+    # and the per-user speed the measured step gives: tokens per step / measured step.
+    measured_user_tokens_per_second: float | None = None
+    tokens_per_step: float | None = None
+    # The longest step that meets the per-user target in tokens: headroom x tokens per step / target.
     step_budget_seconds: float | None = None
     token_budget_tokens: float | None = None
     token_budget_utilization_ratio: float | None = None
@@ -273,7 +281,12 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     if prefill is None:
         notes.append("prefill_tokens_per_step: unknown, predicting decode only")
 
-    budget_seconds = deployment.step_budget_seconds
+    per_step = _tokens_per_step(snapshot, window)
+    if per_step != 1.0:
+        notes.append(f"speculative decoding: {per_step:.2f} tokens per stream per step; the step budget and the "
+                     "per-user speed are in tokens")
+    # The target is per user in tokens: a step yielding k tokens per stream may last k times as long.
+    budget_seconds = deployment.step_budget_seconds * per_step
     reading = Reading(
         deployment=deployment.name, target=target.target, model_name=snapshot.model_name,
         engine=snapshot.engine, namespace=target.namespace, pod=target.pod, target_up=True,
@@ -285,7 +298,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         prefill_tokens_per_step=prefill, server_step_read_bytes=server_bytes,
         measured_step_seconds=measured_mean, measured_step_median_seconds=median[0],
         measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
-        step_budget_seconds=budget_seconds,
+        measured_user_tokens_per_second=per_step / measured_mean if measured_mean else None,
+        tokens_per_step=per_step, step_budget_seconds=budget_seconds,
         effective_bandwidth_bytes_per_second=setup.effective_bandwidth_bytes_per_second,
         bandwidth_source=rates_source, kind=snapshot.kind,
         kv_cache_dtype=snapshot.kv_cache_dtype, block_size_tokens=setup.block_size_tokens,
@@ -299,11 +313,14 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
                           notes=tuple(notes))
         return replace(reading, lacking=_lacking(reading, snapshot))
     groups = model.groups_from_total(tokens, running)
-    prediction = model.predict_step(setup, groups, prefill or 0.0)
+    # Draft tokens are verified in the step: query tokens beside one per request, in its GEMMs (on a
+    # memory-bound step they add little; attention reads the same KV once for all of a request's queries).
+    drafts = (window.draft_tokens_per_step or 0.0) if window is not None else 0.0
+    prediction = model.predict_step(setup, groups, (prefill or 0.0) + drafts)
     predicted = prediction.step_seconds
     if prefill_mix:
         # The mean of the window's steps, not the step at the mean prefill (DESIGN §2).
-        predicted = model.predict_mean_step(setup, groups, prefill_mix)
+        predicted = model.predict_mean_step(setup, groups, [(tokens + drafts, share) for tokens, share in prefill_mix])
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
     window_bytes = _window_read_bytes(setup, window, prediction, prefill or 0.0) if server_bytes else None
     reading = replace(
@@ -313,7 +330,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         predicted_step_seconds=predicted,
         predicted_memory_step_seconds=prediction.memory_seconds,
         predicted_compute_step_seconds=prediction.compute_seconds,
-        predicted_user_tokens_per_second=1.0 / predicted,
+        predicted_user_tokens_per_second=per_step / predicted,
         prediction_error_ratio=(predicted - measured_mean) / measured_mean if measured_mean else None,
         token_budget_tokens=token_budget,
         token_budget_utilization_ratio=tokens / token_budget if token_budget else None,
@@ -334,6 +351,7 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
                  "step, no KV occupancy until it wakes")
     asleep = replace(reading, tokens_in_flight=None, kv_cache_capacity_tokens=None, kv_cache_usage_ratio=None,
                      prefill_tokens_per_step=None, measured_step_seconds=None, measured_step_median_seconds=None,
+                     measured_user_tokens_per_second=None,
                      measured_step_median_lower_seconds=None, measured_step_median_upper_seconds=None,
                      server_step_read_bytes=None, estimated=(), notes=tuple(notes))
     return replace(asleep, lacking=_lacking(asleep, snapshot))
@@ -382,10 +400,21 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
         predicted_step_seconds=predicted, measured_step_seconds=measured, measured_step_median_seconds=median[0],
         measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
         prediction_error_ratio=(predicted - measured) / measured if predicted and measured else None,
-        predicted_user_tokens_per_second=1.0 / predicted if predicted else None,
+        predicted_user_tokens_per_second=(first.tokens_per_step or 1.0) / predicted if predicted else None,
+        tokens_per_step=first.tokens_per_step,
         step_budget_seconds=first.step_budget_seconds, kind=first.kind,
         notes=("server-wide: the ITL histogram has no engine label; prediction weighted by each engine's token rate",),
     )
+
+
+def _tokens_per_step(snapshot: Snapshot, window: Window | None) -> float:
+    """Tokens per stream per step: the window's under speculative decoding; where the window cannot
+    tell (a first poll, an idle window), the server's lifetime figure; 1 on a page that shows none."""
+    if window is not None and window.tokens_per_step is not None:
+        return window.tokens_per_step
+    itl = snapshot.inter_token_latency
+    lifetime = tokens_per_step(snapshot, snapshot.spec_decode_accepted_tokens_total, itl.count if itl else None)
+    return lifetime if lifetime is not None else 1.0
 
 
 def _median(window: Window) -> Median:

@@ -75,6 +75,17 @@ class Snapshot:
     # What the server says of the engine's sleep (vllm:engine_sleep_state): "awake", or asleep as
     # "weights_offloaded" (level 1), "discard_all" (level 2) or "kv_cache_released" (KV memory only).
     sleep_state: str | None = None
+    # Speculative decoding (vLLM: vllm:spec_decode_num_*_total, 0.32.0 vllm/v1/spec_decode/metrics.py
+    # l. 41-49 and 266-279; vllm/v1/core/sched/scheduler.py l. 2110-2134): a draft is one request-step
+    # that carried draft tokens; accepted tokens are the drafts' tokens the target model kept. A
+    # request-step yields its accepted tokens plus one.
+    spec_decode_drafts_total: float | None = None
+    spec_decode_draft_tokens_total: float | None = None
+    spec_decode_accepted_tokens_total: float | None = None
+    # SGLang's sglang:spec_accept_length: tokens per request per forward (accepted drafts + the bonus
+    # token) over its last decode log interval, 0 without speculative decoding (0.5.23
+    # managers/scheduler_components/metrics_reporter.py l. 966-973).
+    spec_accept_length: float | None = None
     block_size_tokens: int | None = None
     # The KV cache dtype the server runs with (vllm:cache_config_info's cache_dtype): "auto" follows
     # the model dtype, "fp8*" is one byte per element. It wins over the deployment config.

@@ -19,7 +19,8 @@ _SUM_WOBBLE = 1e-9
 MEDIAN_RESOLUTION_RATIO = 0.1
 _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_tokens_cached_total",
              "generation_tokens_total", "preemptions_total", "engine_steps_total", "server_read_bytes_total",
-             "admission_rejections_total")
+             "admission_rejections_total", "spec_decode_drafts_total", "spec_decode_draft_tokens_total",
+             "spec_decode_accepted_tokens_total")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class Window:
     # The ITL bucket the median falls in: (lower, upper] edges; upper None for the +Inf bucket.
     measured_step_median_lower_seconds: float | None = None
     measured_step_median_upper_seconds: float | None = None
+    # Speculative decoding: tokens each running request gets per engine step (accepted drafts + 1),
+    # None where the page shows none (one token a step); and draft tokens the step verifies (vLLM),
+    # which the step computes as extra query tokens beside the one per request.
+    tokens_per_step: float | None = None
+    draft_tokens_per_step: float | None = None
 
     @property
     def measured_step_median_point_seconds(self) -> float | None:
@@ -351,6 +357,33 @@ def step_tokens_in_buckets(cumulative: Sequence[tuple[float, float]], total_toke
     return [(value, steps) for value, (_, _, steps) in zip(adjusted, edges, strict=True)]
 
 
+def tokens_per_step(current: Snapshot, accepted_tokens: float | None, itl_observations: float | None
+                    ) -> float | None:
+    """Tokens one running request gets per engine step under speculative decoding; None without it.
+
+    `accepted_tokens` and `itl_observations` are a window's deltas (or the totals since the server
+    started). vLLM: each decoding request-step is one ITL observation (0.32.0 vllm/v1/metrics/stats.py
+    l. 548-552) carrying 1 + its accepted drafts (vllm/v1/core/sched/scheduler.py l. 2110-2118). A
+    request-step whose proposer found nothing (ngram without a match) is no draft: num_drafts counts
+    only the request-steps that carried drafts (vllm/v1/spec_decode/metrics.py l. 41-44), so vLLM's own
+    "mean acceptance length" 1 + accepted / drafts overstates the tokens per step; 1 + accepted / ITL
+    observations is what the streams get. SGLang: its accept length gauge is that figure already.
+    """
+    if current.kind == "sglang":
+        length = current.spec_accept_length
+        return length if length is not None and math.isfinite(length) and length > 1.0 else None
+    if accepted_tokens is None or not itl_observations or itl_observations <= 0:
+        return None
+    return 1.0 + max(0.0, accepted_tokens) / itl_observations
+
+
+def _draft_tokens_per_step(previous: Snapshot, current: Snapshot, steps: float | None) -> float | None:
+    drafted = _delta(previous, current, "spec_decode_draft_tokens_total")
+    if drafted is None or steps is None or steps <= 0:
+        return None
+    return max(0.0, drafted) / steps
+
+
 def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
     """Deltas between two polls of one engine (same target, model_name and engine)."""
     if previous is None:
@@ -372,6 +405,15 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
     prefill = _prefill_per_step(previous, current, steps, notes)
     mix = _prefill_mix(previous, current, prefill, notes) if whole_steps and prefill is not None else None
     server_bytes = _server_read_bytes_per_step(previous, current, steps, notes)
+    per_step = tokens_per_step(current, _delta(previous, current, "spec_decode_accepted_tokens_total"), tokens)
+    if per_step is not None and current.kind == "sglang":
+        # SGLang observes each token, at the step's interval / the step's tokens (module docstring of
+        # exporter/serve/engines/sglang.py): the step is the ITL times the tokens per step.
+        notes.append(f"speculative decoding: {per_step:.2f} tokens per step (sglang:spec_accept_length), "
+                     "measured step = ITL x accept length")
+        mean = mean * per_step if mean is not None else None
+        if median is not None:
+            median = QuantileBucket(median.value * per_step, median.lower * per_step, median.upper * per_step)
     return Window(
         measured_step_mean_seconds=mean,
         measured_step_median_seconds=median.value if median else None,
@@ -385,4 +427,6 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         start=previous,
         measured_step_median_lower_seconds=median.lower if median else None,
         measured_step_median_upper_seconds=median.upper if median and math.isfinite(median.upper) else None,
+        tokens_per_step=per_step,
+        draft_tokens_per_step=_draft_tokens_per_step(previous, current, steps),
     )

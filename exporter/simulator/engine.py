@@ -81,6 +81,11 @@ class ServerSpec:
     data_parallel_size: int = 1
     enable_prefix_caching: bool = True  # vLLM V1's default
     enable_mfu_metrics: bool = False  # vLLM's --enable-mfu-metrics: count the steps' FLOPs and bytes on the page
+    # Speculative decoding (--speculative-config num_speculative_tokens): every decoding request-step
+    # verifies this many draft tokens beside its own, and yields 1 + the accepted ones, whose mean is
+    # `spec_acceptance_length` - 1 (vLLM's "mean acceptance length" 1 + accepted / drafts).
+    num_speculative_tokens: int = 0
+    spec_acceptance_length: float = 1.0
     seed: int = 0
     truth: HardwareTruth = field(default_factory=HardwareTruth)
 
@@ -192,6 +197,7 @@ class Engine:
         self.step_count = 0
         self.leaving: list[SimRequest] = []
         self.planned: _PlannedStep | None = None
+        self._acceptance_rng = random.Random(spec.seed * 7919 + index)
 
     @property
     def used_blocks(self) -> int:
@@ -251,6 +257,8 @@ class Engine:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             new_tokens = min(request.known_tokens - request.computed_tokens, budget)
+            if self._decoding(request):  # the verification step: its token and the draft tokens
+                new_tokens = min(1 + self.spec.num_speculative_tokens, budget)
             needed = self.blocks_for(request.computed_tokens + new_tokens) - request.blocks
             preempted_itself = False
             while needed > self.free_blocks:
@@ -267,6 +275,17 @@ class Engine:
             budget -= new_tokens
             index += 1
         return budget, preempted
+
+    @staticmethod
+    def _decoding(request: SimRequest) -> bool:
+        return request.output_tokens > 0 and request.computed_tokens == request.known_tokens - 1
+
+    def _accepted(self, drafts: int) -> int:
+        """Accepted draft tokens of one request-step: the mean's whole part, plus one with the
+        probability of its fraction, so the mean over request-steps is spec_acceptance_length - 1."""
+        mean = self.spec.spec_acceptance_length - 1.0
+        whole = int(mean)
+        return min(drafts, whole + (1 if self._acceptance_rng.random() < mean - whole else 0))
 
     def _admit_waiting(self, scheduled: list[tuple[SimRequest, int]], budget: int,
                        lookups: list[tuple[int, int]]) -> None:
@@ -356,17 +375,27 @@ class Engine:
 
     def _advance(self, request: SimRequest, new_tokens: int, now: float, step_seconds: float,
                  tally: _StepTally) -> None:
-        if new_tokens == 1 and request.computed_tokens == request.known_tokens - 1 and request.output_tokens:
+        sampled = 1
+        if self._decoding(request):
             tally.decode_tokens += 1
+            drafts = new_tokens - 1
+            if drafts > 0:
+                # vLLM keeps the accepted drafts and rolls the rejected ones back (scheduler.py l. 2116-2128);
+                # the counters count them before the output is cut at max_tokens (stop checks come after).
+                accepted = self._accepted(drafts)
+                self._count_draft(drafts, accepted)
+                sampled += accepted
+            new_tokens = sampled
         else:
             tally.prefill_tokens += new_tokens
         request.computed_tokens += new_tokens
         if request.computed_tokens < request.known_tokens:
             return  # a chunk that does not finish the prompt emits no output
-        # All known tokens are computed: the step samples the next one.
-        request.output_tokens += 1
-        tally.sampled_tokens += 1
-        self.counters.generation_tokens += 1
+        # All known tokens are computed: the step samples the next one (and the accepted drafts).
+        sampled = min(sampled, request.max_tokens - request.output_tokens)
+        request.output_tokens += sampled
+        tally.sampled_tokens += sampled
+        self.counters.generation_tokens += sampled
         if request.first_token_seconds is None:
             request.first_token_seconds = now
             self.counters.histograms["ttft"].observe(now - request.arrival_seconds)
@@ -381,6 +410,15 @@ class Engine:
             request.on_token(request)
         if request.output_tokens >= request.max_tokens:
             self.finish(request, request.finish_reason_at_max)
+
+    def _count_draft(self, drafts: int, accepted: int) -> None:
+        """SpecDecodingStats.observe_draft (vllm/v1/spec_decode/metrics.py l. 41-49)."""
+        counters = self.counters
+        counters.spec_drafts += 1
+        counters.spec_draft_tokens += drafts
+        counters.spec_accepted_tokens += accepted
+        for position in range(accepted):
+            counters.spec_accepted_per_pos[position] += 1
 
     def _report_prefill(self, request: SimRequest) -> int:
         """The PrefillStats the first output carries: the whole prompt, split into computed and
@@ -470,7 +508,8 @@ class Simulator:
                 f"on {spec.gpu} for {spec.model}); lower --max-model-len (vLLM refuses to start the same way)")
         self._rng = random.Random(spec.seed)
         self.page = VllmPage(spec.vllm_version, spec.model_name, spec.max_model_len,
-                             created_unix_seconds=created_unix_seconds)
+                             created_unix_seconds=created_unix_seconds,
+                             num_speculative_tokens=spec.num_speculative_tokens)
         self.engines = [self._make_engine(index, record_steps) for index in range(spec.data_parallel_size)]
         self.scenario = scenario
         self.now_seconds = 0.0
@@ -492,6 +531,9 @@ class Simulator:
                      "data_parallel_size"):
             if getattr(spec, name) < 1:
                 raise InputError(f"{name} must be at least 1, got {getattr(spec, name)!r}")
+        if spec.num_speculative_tokens < 0 or not 1.0 <= spec.spec_acceptance_length <= spec.num_speculative_tokens + 1:
+            raise InputError(f"speculative decoding: the acceptance length must be in [1, num_speculative_tokens + 1], "
+                             f"got {spec.spec_acceptance_length!r} with {spec.num_speculative_tokens!r} draft tokens")
 
     def _make_engine(self, index: int, record_steps: bool) -> Engine:
         spec = self.spec

@@ -165,6 +165,15 @@ _ESTIMATED = (
     Family("estimated_write_bytes", "vllm:estimated_write_bytes_per_gpu",
            f"Estimated number of bytes written to memory per GPU {_MFU_HELP}", "counter"),
 )
+# Speculative decoding (0.32.0 vllm/v1/spec_decode/metrics.py l. 186-264, built at loggers.py l. 508, before
+# the MFU counters): declared only with a speculative config (l. 211-213), so only then on the page.
+SPEC_DECODE = (
+    Family("spec_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "counter"),
+    Family("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "counter"),
+    Family("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "counter"),
+    Family("spec_accepted_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+           "Accepted tokens per draft position.", "counter", ("position",)),
+)
 _SLEEP_STATE = Family(  # loggers.py:593; record_sleep_state() sets awake=1 at start (loggers.py:1335)
     "sleep_state", "vllm:engine_sleep_state",
     "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
@@ -388,6 +397,12 @@ class EngineCounters:
     estimated_flops: float = 0.0
     estimated_read_bytes: float = 0.0
     estimated_write_bytes: float = 0.0
+    # Speculative decoding: request-steps that carried drafts, their draft tokens, the accepted ones
+    # and those by draft position (SpecDecodingStats.observe_draft, vllm/v1/spec_decode/metrics.py l. 41-49).
+    spec_drafts: float = 0.0
+    spec_draft_tokens: float = 0.0
+    spec_accepted_tokens: float = 0.0
+    spec_accepted_per_pos: list[float] = field(default_factory=list)
 
     def gauge_values(self) -> dict[str, float]:
         return {"running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage_ratio,
@@ -398,7 +413,8 @@ class EngineCounters:
                 "generation_tokens": self.generation_tokens, "prefix_queries": self.prefix_queries,
                 "prefix_hits": self.prefix_hits, "prompt_cached": self.prompt_tokens_cached,
                 "estimated_flops": self.estimated_flops, "estimated_read_bytes": self.estimated_read_bytes,
-                "estimated_write_bytes": self.estimated_write_bytes,
+                "estimated_write_bytes": self.estimated_write_bytes, "spec_drafts": self.spec_drafts,
+                "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted_tokens": self.spec_accepted_tokens,
                 # No KV connector and no multimodal input: nothing is ever looked up in those caches.
                 "external_prefix_queries": 0.0, "external_prefix_hits": 0.0, "mm_cache_queries": 0.0,
                 "mm_cache_hits": 0.0}
@@ -414,6 +430,8 @@ class EngineCounters:
             return self.request_success
         if key == "prompt_by_source":
             return self.prompt_tokens_by_source
+        if key == "spec_accepted_per_pos":
+            return {str(position): value for position, value in enumerate(self.spec_accepted_per_pos)}
         return {**dict.fromkeys(CACHED_SOURCES, 0.0), "device": self.prefix_hits}
 
 
@@ -421,8 +439,9 @@ class VllmPage:
     """Renders the counters of one server's engines (data-parallel ranks) as vLLM's /metrics page."""
 
     def __init__(self, version: str, model_name: str, max_model_len: int,
-                 created_unix_seconds: float | None = None) -> None:
+                 created_unix_seconds: float | None = None, num_speculative_tokens: int = 0) -> None:
         self.layout = version_layout(version)
+        self.num_speculative_tokens = num_speculative_tokens
         self.model_name = model_name
         self.created_unix_seconds = time.time() if created_unix_seconds is None else created_unix_seconds
         self._edges = {"ttft": TTFT_BUCKETS_SECONDS, "itl": ITL_BUCKETS_SECONDS,
@@ -445,7 +464,8 @@ class VllmPage:
         """Counters for one more engine; `cache_config` is its CacheConfig as label values."""
         if self.engines and not self.layout.engine_label:
             raise InputError("this vLLM version's page has no engine label: it cannot show several engines")
-        counters = EngineCounters(request_success={reason: 0.0 for reason in self.layout.finish_reasons})
+        counters = EngineCounters(request_success={reason: 0.0 for reason in self.layout.finish_reasons},
+                                  spec_accepted_per_pos=[0.0] * self.num_speculative_tokens)
         for family in _ALL_FAMILIES:
             if family.kind == "histogram":
                 counters.histograms[family.key] = HistogramValue(self._edges[family.buckets])
@@ -464,7 +484,7 @@ class VllmPage:
         return labels
 
     def families(self) -> Iterator[Metric]:
-        for family in self.layout.families:
+        for family in (*SPEC_DECODE, *self.layout.families) if self.num_speculative_tokens else self.layout.families:
             metric = Metric(family.name, family.help, family.kind)
             if family.per_engine:
                 for engine_index, counters in self.engines.items():

@@ -17,6 +17,9 @@ Facts and sources: shared/reference/vllm_metrics/REPORT.md §d.1 and the SGLang 
   `sglang:num_retracted_requests_total` appears at a rank's first retraction: absent reads as 0.
 - The tokenizer-side ITL histogram has no `dp_rank`: under --dp-size it is one server-wide figure,
   flagged in `Snapshot.server_wide` so it is compared with a server-wide prediction only.
+- Speculative decoding: the ITL histogram counts every token, each output's interval divided by its
+  tokens (0.5.23 observability/metrics_collector.py l. 2161-2183; the caller passes the output's new
+  tokens, managers/tokenizer_manager.py l. 3248-3253), so its mean is the step / `sglang:spec_accept_length`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ SPECS = (
     # Created at a rank's first retraction (0.5.23 observability/metrics_collector.py l. 1513-1525).
     FamilySpec("preemptions_total", ("sglang:num_retracted_requests_total",), "counter", absent_means_zero=True),
     FamilySpec("block_size_tokens", ("sglang:page_size",), "gauge"),
+    # 0 without speculative decoding; tokens per request per forward with it (docs/engines.md).
+    FamilySpec("spec_accept_length", ("sglang:spec_accept_length",), "gauge", optional=True),
 )
 
 
