@@ -110,6 +110,9 @@ class Reading:
     lacking: tuple[str, ...] = field(default_factory=tuple)
     # The server's word on the engine's sleep (Snapshot.sleep_state); None where the page does not say.
     sleep_state: str | None = None
+    # A server-wide reading's engines (not exported: each has its own series), each with its share of
+    # the server-wide measured step (server_wide_reading): what the online fit learns from, per engine.
+    ranks: tuple[Reading, ...] = field(default_factory=tuple)
 
     @property
     def engine_sleeping(self) -> float | None:
@@ -359,7 +362,22 @@ def _window_read_bytes(setup: model.ServingSetup, window: Window | None, end: mo
 def server_wide_reading(readings: list[Reading], window: Window | None) -> Reading | None:
     """One series for a server whose ITL histogram covers all its engines (SGLang under --dp-size):
     the measured step next to the prediction of the same thing, the engines' predictions weighted by
-    the tokens each generates (running / step), never one engine's prediction against it."""
+    the tokens each generates (running / step), never one engine's prediction against it.
+
+    Every token of engine i is one observation of its step t_i, and it yields running_i / t_i tokens a
+    second, so the histogram's mean is R / sum(running_i / t_i), R the running requests of all engines.
+    No engine's page says its own t_i (the scheduler-side families of SGLang 0.5.23 count passes and
+    tokens per dp_rank, not time: observability/metrics_collector.py l. 737-741 and 1032-1039;
+    forward_execution_seconds_total, l. 1054-1061, grows only under SGLANG_ENABLE_METRICS_DEVICE_TIMER,
+    managers/scheduler_components/metrics_reporter.py l. 68 and 326-339, and counts GPU time, not the
+    step a stream waits for; scheduler_idle_seconds_total, l. 1062-1068, is idle wall time). So each
+    engine is given the share of the measured mean its own prediction says: measured x p_i / P, P the
+    combined prediction. The shares combine back to the measured mean exactly, and are the engines'
+    true steps wherever the model ranks the engines right; they follow the prediction, which follows
+    the fit, so they converge as it does (tests/test_sglang_dp_calibration.py). The engines' windows,
+    with their own tokens and running requests, are what the online fit learns from (`ranks`;
+    online_calibration.windows_from_readings): the server-wide sums cannot be fitted, each engine
+    reading the weights itself, not once for all."""
     ranks = [(r.requests_running, r.predicted_step_seconds) for r in readings
              if r.predicted_step_seconds and r.requests_running]
     if not readings:
@@ -374,6 +392,12 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     if ranks:
         token_rate = sum(running / step for running, step in ranks)
         predicted = sum(running for running, _ in ranks) / token_rate
+    shares: tuple[Reading, ...] = ()
+    # Only when every engine that generates tokens has a prediction: another engine's tokens are in the
+    # measured mean too, and no share could be told for it.
+    if predicted and measured and len(ranks) == sum(1 for r in readings if r.requests_running):
+        shares = tuple(replace(r, measured_step_seconds=measured * r.predicted_step_seconds / predicted)
+                       for r in readings if r.predicted_step_seconds and r.requests_running)
     return Reading(
         deployment=first.deployment, target=first.target, model_name=first.model_name, engine="",
         namespace=first.namespace, pod=first.pod, target_up=True,
@@ -385,6 +409,7 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
         predicted_user_tokens_per_second=1.0 / predicted if predicted else None,
         step_budget_seconds=first.step_budget_seconds, kind=first.kind,
         notes=("server-wide: the ITL histogram has no engine label; prediction weighted by each engine's token rate",),
+        ranks=shares,
     )
 
 
