@@ -70,6 +70,11 @@ PER_TARGET: tuple[PerTarget, ...] = (
     PerTarget("stepbudget_requests_waiting", "gauge",
               "Requests waiting to be scheduled (vllm:num_requests_waiting)" + POLLED + ".",
               _field("requests_waiting")),
+    PerTarget("stepbudget_kv_cache_reserved_tokens", "gauge",
+              "Tokens of KV cache the running batch has reserved, where the server reports only that (TGI: each "
+              "request's prompt + max_new_tokens, tgi_batch_current_max_tokens), not those held; no usage ratio is "
+              "derived from it" + POLLED + ".",
+              _field("kv_cache_reserved_tokens")),
     PerTarget("stepbudget_requests_waiting_for_capacity", "gauge",
               "Of the waiting requests, those held back by scheduling capacity (batch slots, token budget, KV blocks), "
               "not deferred for another reason (vllm:num_requests_waiting_by_reason{reason=\"capacity\"})"

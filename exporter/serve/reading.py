@@ -28,6 +28,7 @@ IDLE_CONTEXT_TOKENS = 2000.0
 # The per-target values the collector exports (every stepbudget_<name> but target_up).
 VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
                 "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
+                "kv_cache_reserved_tokens",
                 "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step", "step_read_bytes",
                 "server_step_read_bytes", "step_read_bytes_ratio", "predicted_step_seconds",
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
@@ -43,7 +44,7 @@ WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_rati
 # Values from families only some releases or server flags give (vLLM 0.32's waiting-by-reason and
 # sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
 OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
-                   "engine_sleeping")
+                   "engine_sleeping", "kv_cache_reserved_tokens")
 
 
 # Why an exported value is an estimate (the `reason` label of stepbudget_estimated_info).
@@ -51,6 +52,8 @@ ESTIMATE_REASONS = {
     "model_capacity": "the page reports no KV capacity: the model's capacity for the configured GPU and memory",
     "hybrid_kv_blocks": "hybrid KV cache (sliding-window and full-attention groups share one block pool): "
                         "derived from block usage, assuming equal contexts",
+    "kv_reservation": "the page reports only the KV its batch reserved (TGI: prompt + max_new_tokens per request), "
+                      "not the tokens held: an upper bound",
 }
 
 
@@ -68,6 +71,8 @@ class Reading:
     tokens_in_flight: float | None = None
     kv_cache_capacity_tokens: float | None = None
     kv_cache_usage_ratio: float | None = None
+    # The KV the running batch reserved, where the page says only that (TGI): never a usage ratio.
+    kv_cache_reserved_tokens: float | None = None
     requests_running: float | None = None
     requests_waiting: float | None = None
     # Of the waiting requests, those held back by scheduling capacity (not deferred for other reasons).
@@ -198,6 +203,12 @@ def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | N
         estimated.append(("kv_cache_capacity_tokens", "model_capacity"))
         notes.append("kv_cache_capacity_tokens: from the model (the page does not report it)")
     tokens = _valid(snapshot.tokens_in_flight, "tokens_in_flight", notes)
+    reserved = _valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", notes)
+    if tokens is None and usage is None and reserved is not None:
+        # Only the reservation (TGI): the prediction's upper bound, and no usage ratio, which would near
+        # 1 whenever the router packs a batch while the cache holds far fewer tokens.
+        estimated.append(("tokens_in_flight", "kv_reservation"))
+        return _Occupancy(reserved, capacity, None, tuple(estimated))
     if tokens is not None and capacity > 0:
         usage = min(1.0, tokens / capacity)  # SGLang's token_usage is rounded to 2 decimals
     elif tokens is None and usage is not None:
@@ -283,6 +294,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         scrape_duration_seconds=scrape_duration_seconds, last_success_timestamp_seconds=now_seconds,
         tokens_in_flight=tokens, kv_cache_capacity_tokens=occupancy.capacity_tokens,
         kv_cache_usage_ratio=occupancy.usage_ratio,
+        kv_cache_reserved_tokens=_valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", []),
         requests_running=running, requests_waiting=waiting, requests_waiting_for_capacity=waiting_for_capacity,
         preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
         prefill_tokens_per_step=prefill, server_step_read_bytes=server_bytes,
