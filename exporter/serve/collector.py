@@ -143,6 +143,7 @@ PER_TARGET: tuple[PerTarget, ...] = (
               _field("engine_sleeping")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
+DEPLOYMENT_TARGETS_METRIC = "stepbudget_deployment_targets"
 BANDWIDTH_HELP = ("Effective memory bandwidth the prediction uses, per GPU; label source: configured, calibrated, "
                   "default (an assumption) or online (fitted from the daemon's own windows).")
 # Per deployment, the other fitted terms the prediction uses, with the same source label, and the online fit.
@@ -159,9 +160,11 @@ PARAMETER_FAMILIES = (
 class StepBudgetCollector(Collector):
     """Builds every stepbudget family from the poller's latest readings and the config."""
 
-    def __init__(self, readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment]) -> None:
+    def __init__(self, readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
+                 deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple) -> None:
         self._readings = readings
         self._deployments = tuple(deployments)
+        self._deployment_targets = deployment_targets
 
     def describe(self) -> Iterable[Metric]:
         return []  # no auto-describe: collecting at registration would be pointless work
@@ -171,7 +174,8 @@ class StepBudgetCollector(Collector):
         which the online fit swaps): equal from one call to the next exactly when collect() would export
         the same. The poller publishes a new tuple per poll, and a refit a new InUse, so between polls
         these are the same objects and comparing them costs little."""
-        return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments))
+        return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments),
+                tuple(self._deployment_targets()))
 
     def collect(self) -> Iterator[Metric]:
         readings = list(self._readings())
@@ -201,6 +205,11 @@ class StepBudgetCollector(Collector):
                                      {**labels, "quantity": quantity, "reason": reason}, 1.0)
         yield estimated
         yield from self._per_deployment(readings)
+        targets = Metric(DEPLOYMENT_TARGETS_METRIC, "Targets the last poll found for the deployment (discovery, or "
+                         "its Prometheus query; this shard's share when sharded): 0 means it watches nothing.", "gauge")
+        for name, count in self._deployment_targets():
+            targets.add_sample(DEPLOYMENT_TARGETS_METRIC, {"deployment": name}, float(count))
+        yield targets
         build = Metric("stepbudget_build", "stepbudget build information.", "info")
         build.add_sample("stepbudget_build_info", {"version": __version__}, 1.0)
         yield build
@@ -296,8 +305,9 @@ class PageRegistry(CollectorRegistry):
         return tuple(parts)
 
 
-def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment]) -> PageRegistry:
+def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
+                  deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple) -> PageRegistry:
     """A private registry (never the global one) holding only the stepbudget collector."""
     registry = PageRegistry()
-    registry.register(StepBudgetCollector(readings, deployments))
+    registry.register(StepBudgetCollector(readings, deployments, deployment_targets))
     return registry
