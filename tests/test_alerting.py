@@ -21,6 +21,7 @@ from exporter.errors import InputError
 from exporter.serve.alert_rules import TemplateError, humanize_duration, render
 from exporter.serve.alerting import (
     CONDITIONS,
+    DEPLOYMENT_CONDITIONS,
     DRIFT_THRESHOLD_RATIO,
     KV_CACHE_NEARLY_FULL_RATIO,
     PAGE_ALERT,
@@ -109,7 +110,7 @@ def test_the_loop_raises_every_alert_of_the_rules_file_as_written_there() -> Non
     # ExporterAbsent is Prometheus-only: a daemon cannot report its own absence.
     assert PROMETHEUS_ONLY == {"StepBudgetExporterAbsent"}
     assert [rule.name for rule in packaged_rules()] == [name for name in file_rules if name not in PROMETHEUS_ONLY]
-    assert {rule.name for rule in packaged_rules()} == set(CONDITIONS)
+    assert {rule.name for rule in packaged_rules()} == set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS)
     for rule in packaged_rules():
         source = file_rules[rule.name]
         assert dict(rule.labels) == source["labels"] and rule.severity == source["labels"]["severity"], rule.name

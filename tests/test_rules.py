@@ -38,6 +38,7 @@ DESIGN_ALERTS = {
     "StepBudgetKVCacheNearlyFull",
     "StepBudgetPreemptions",
     "StepBudgetTargetDown",
+    "StepBudgetNoTargets",
     "StepBudgetExporterAbsent",
 }
 # Request counts say nothing about step time; no alert may read them.
@@ -211,6 +212,8 @@ THRESHOLD_MUTATIONS = [
     ("StepBudgetKVCacheNearlyFull", "> 0.95", ">= 0.95"),
     ("StepBudgetPreemptions", "> 0", ">= 0"),
     ("StepBudgetExporterAbsent", "up == 0", "up <= 1"),
+    ("StepBudgetNoTargets", "== 0", "<= 1"),
+    ("StepBudgetNoTargets", "max without", "min without"),
 ]
 
 

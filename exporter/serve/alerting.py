@@ -162,6 +162,16 @@ CONDITIONS: dict[str, Condition] = {
     "StepBudgetTargetDown": _down,
 }
 PROMETHEUS_ONLY = frozenset({"StepBudgetExporterAbsent"})
+# Per deployment, from the poll's target counts (PollResult.deployment_targets), labelled `deployment`
+# only, as `sum without (instance, job)` leaves the rule's series. The value is the count.
+DeploymentCondition = Callable[[int], "float | None"]
+
+
+def _no_targets(count: int) -> float | None:
+    return 0.0 if count == 0 else None
+
+
+DEPLOYMENT_CONDITIONS: dict[str, DeploymentCondition] = {"StepBudgetNoTargets": _no_targets}
 
 
 def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
@@ -169,10 +179,11 @@ def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
     a changed `for`, severity or annotation in the file changes the loop with no Python edit."""
     rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
     names = {rule.name for rule in rules}
-    if names != set(CONDITIONS):
+    known = set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS)
+    if names != known:
         raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in "
-                         f"exporter/serve/alerting.py: {sorted(names - set(CONDITIONS)) or 'none'}; "
-                         f"conditions without an alert in the file: {sorted(set(CONDITIONS) - names) or 'none'}")
+                         f"exporter/serve/alerting.py: {sorted(names - known) or 'none'}; "
+                         f"conditions without an alert in the file: {sorted(known - names) or 'none'}")
     return rules
 
 
@@ -234,7 +245,7 @@ class AlertLoop:
 
     def __init__(self, config: Alerting, *, poll_interval_seconds: float, generator_url: str = "",
                  clock: Callable[[], float] = time.time, post: Post = post_alerts,
-                 rules: Sequence[AlertRule] | None = None) -> None:
+                 rules: Sequence[AlertRule] | None = None, deployment_alerts: bool = True) -> None:
         self._urls = config.alertmanager_urls
         self._timeout = config.timeout_seconds
         self._generator_url = config.generator_url or generator_url
@@ -243,6 +254,10 @@ class AlertLoop:
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
         self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds)
         self._page = next(rule for rule in self.rules if rule.name == PAGE_ALERT)
+        self._reading_rules = tuple(rule for rule in self.rules if rule.name in CONDITIONS)
+        # A sharded daemon's counts are its share's (build_daemon): only Prometheus sums them.
+        self._deployment_rules = tuple(rule for rule in self.rules
+                                       if rule.name in DEPLOYMENT_CONDITIONS and deployment_alerts)
         self._alerts: dict[tuple[str, SeriesKey], _Alert] = {}
         self._history: dict[SeriesKey, History] = {}
         self._lock = threading.Lock()
@@ -253,9 +268,10 @@ class AlertLoop:
 
     def on_poll(self, result: PollResult) -> None:
         """Poller listener."""
-        self.evaluate(result.readings, self._clock())
+        self.evaluate(result.readings, self._clock(), result.deployment_targets)
 
-    def evaluate(self, readings: Sequence[Reading], now: float) -> list[dict[str, object]]:
+    def evaluate(self, readings: Sequence[Reading], now: float,
+                 deployment_targets: Sequence[tuple[str, int]] = ()) -> list[dict[str, object]]:
         """Advance every alert's state to `now`; post what is due; return what was posted."""
         # Each reading's labels and series key once per poll, for the history and for every rule.
         labelled = [(reading, labels := reading.labels, tuple(sorted(labels.items()))) for reading in readings]
@@ -264,10 +280,16 @@ class AlertLoop:
             active: set[tuple[str, SeriesKey]] = set()
             for reading, labels, series in labelled:
                 history = self._history[series]
-                for rule in self.rules:
+                for rule in self._reading_rules:
                     value = CONDITIONS[rule.name](reading, history)
                     if value is not None:
                         active.add(self._hold(rule, labels, series, value, now))
+            for name, count in deployment_targets:
+                for rule in self._deployment_rules:
+                    value = DEPLOYMENT_CONDITIONS[rule.name](count)
+                    if value is not None:
+                        labels = {"deployment": name}
+                        active.add(self._hold(rule, labels, tuple(labels.items()), value, now))
             for series, value in held:  # gone from the readings, over budget at their last one
                 active.add(self._hold(self._page, dict(series), series, value, now))
             for key, alert in list(self._alerts.items()):

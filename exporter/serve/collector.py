@@ -70,6 +70,11 @@ PER_TARGET: tuple[PerTarget, ...] = (
     PerTarget("stepbudget_requests_waiting", "gauge",
               "Requests waiting to be scheduled (vllm:num_requests_waiting)" + POLLED + ".",
               _field("requests_waiting")),
+    PerTarget("stepbudget_kv_cache_reserved_tokens", "gauge",
+              "Tokens of KV cache the running batch has reserved, where the server reports only that (TGI: each "
+              "request's prompt + max_new_tokens, tgi_batch_current_max_tokens), not those held; no usage ratio is "
+              "derived from it" + POLLED + ".",
+              _field("kv_cache_reserved_tokens")),
     PerTarget("stepbudget_requests_waiting_for_capacity", "gauge",
               "Of the waiting requests, those held back by scheduling capacity (batch slots, token budget, KV blocks), "
               "not deferred for another reason (vllm:num_requests_waiting_by_reason{reason=\"capacity\"})"
@@ -145,6 +150,7 @@ PER_TARGET: tuple[PerTarget, ...] = (
               _field("engine_sleeping")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
+DEPLOYMENT_TARGETS_METRIC = "stepbudget_deployment_targets"
 BANDWIDTH_HELP = ("Effective memory bandwidth the prediction uses, per GPU; label source: configured, calibrated, "
                   "default (an assumption) or online (fitted from the daemon's own windows).")
 # Per deployment, the other fitted terms the prediction uses, with the same source label, and the online fit.
@@ -161,9 +167,11 @@ PARAMETER_FAMILIES = (
 class StepBudgetCollector(Collector):
     """Builds every stepbudget family from the poller's latest readings and the config."""
 
-    def __init__(self, readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment]) -> None:
+    def __init__(self, readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
+                 deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple) -> None:
         self._readings = readings
         self._deployments = tuple(deployments)
+        self._deployment_targets = deployment_targets
 
     def describe(self) -> Iterable[Metric]:
         return []  # no auto-describe: collecting at registration would be pointless work
@@ -173,7 +181,8 @@ class StepBudgetCollector(Collector):
         which the online fit swaps): equal from one call to the next exactly when collect() would export
         the same. The poller publishes a new tuple per poll, and a refit a new InUse, so between polls
         these are the same objects and comparing them costs little."""
-        return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments))
+        return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments),
+                tuple(self._deployment_targets()))
 
     def collect(self) -> Iterator[Metric]:
         readings = list(self._readings())
@@ -203,6 +212,11 @@ class StepBudgetCollector(Collector):
                                      {**labels, "quantity": quantity, "reason": reason}, 1.0)
         yield estimated
         yield from self._per_deployment(readings)
+        targets = Metric(DEPLOYMENT_TARGETS_METRIC, "Targets the last poll found for the deployment (discovery, or "
+                         "its Prometheus query; this shard's share when sharded): 0 means it watches nothing.", "gauge")
+        for name, count in self._deployment_targets():
+            targets.add_sample(DEPLOYMENT_TARGETS_METRIC, {"deployment": name}, float(count))
+        yield targets
         build = Metric("stepbudget_build", "stepbudget build information.", "info")
         build.add_sample("stepbudget_build_info", {"version": __version__}, 1.0)
         yield build
@@ -298,8 +312,9 @@ class PageRegistry(CollectorRegistry):
         return tuple(parts)
 
 
-def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment]) -> PageRegistry:
+def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
+                  deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple) -> PageRegistry:
     """A private registry (never the global one) holding only the stepbudget collector."""
     registry = PageRegistry()
-    registry.register(StepBudgetCollector(readings, deployments))
+    registry.register(StepBudgetCollector(readings, deployments, deployment_targets))
     return registry

@@ -194,13 +194,16 @@ def build_daemon(config: Config) -> Daemon:
         discovery = ShardedDiscovery(discovery, shard)
     sources = prometheus_sources(config, shard)
     poller = Poller(config, discovery, fetcher, sources=sources)
-    registry = make_registry(poller.readings, config.deployments)
+    registry = make_registry(poller.readings, config.deployments, poller.deployment_targets)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
                               targets=lambda: _target_rows(poller))
     # The loop always evaluates, so `GET /api/v1/alerts` shows pending and firing alerts; it posts
     # to Alertmanager only when `alerting.alertmanager_urls` is set.
+    # A shard polls a share of each deployment's targets: none of its own says nothing of the others,
+    # so only Prometheus, summing over the shards, raises StepBudgetNoTargets for a sharded daemon.
     alert_loop = AlertLoop(config.alerting, poll_interval_seconds=config.poll_interval_seconds,
-                           generator_url=f"http://{host or _hostname()}:{server.port}/")
+                           generator_url=f"http://{host or _hostname()}:{server.port}/",
+                           deployment_alerts=shard is None or shard.count == 1)
     calibrator = OnlineCalibrator(config.deployments)
     if calibrator.deployments:
         # Before the alert loop, so a poll's refit is in place for the next poll's predictions.

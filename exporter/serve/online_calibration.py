@@ -389,7 +389,10 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
                                                                                                  FitWindow]]]:
     """Each up reading with a measured window, by deployment, keyed by engine identity."""
     found: dict[str, list[tuple[tuple[str, ...], FitWindow]]] = {}
-    for reading in readings:
+    # A server-wide reading's engines come with their share of its measured step (server_wide_reading);
+    # a down server's kept reading keeps them too, as they were: not a new window.
+    for reading in (engine for whole in readings
+                    for engine in ((whole, *whole.ranks) if whole.target_up else (whole,))):
         if not reading.target_up or reading.measured_step_seconds is None or reading.tokens_in_flight is None \
                 or reading.requests_running is None:
             continue  # down, no window yet, or a server-wide series (no tokens of its own)

@@ -412,6 +412,8 @@ class TargetState:
 class PollResult:
     readings: tuple[Reading, ...]
     finished_at_seconds: float
+    # Every configured deployment with the targets this poll found for it (0: it watches nothing).
+    deployment_targets: tuple[tuple[str, int], ...] = ()
 
 
 PollListener = Callable[[PollResult], None]
@@ -439,6 +441,7 @@ class Poller:
         self._states: dict[tuple[str, str], TargetState] = {}
         self._lock = threading.Lock()
         self._readings: tuple[Reading, ...] = ()
+        self._deployment_targets: tuple[tuple[str, int], ...] = ()
         self._polls_done = 0
         self._listeners: list[PollListener] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
@@ -457,6 +460,10 @@ class Poller:
     def readings(self) -> tuple[Reading, ...]:
         return self._readings
 
+    def deployment_targets(self) -> tuple[tuple[str, int], ...]:
+        """Each configured deployment and the targets the last poll found for it (empty before one)."""
+        return self._deployment_targets
+
     def target_states(self) -> list[TargetState]:
         with self._lock:
             return list(self._states.values())
@@ -466,7 +473,11 @@ class Poller:
     def poll_once(self) -> PollResult:
         targets = self._discovery.discover()
         answers = self._read_sources()
-        self._forget_gone([*targets, *(outcome.target for answer in answers for outcome in answer.outcomes)])
+        found = [*targets, *(outcome.target for answer in answers for outcome in answer.outcomes)]
+        self._forget_gone(found)
+        counts = dict.fromkeys(self._deployments, 0)
+        for target in found:
+            counts[target.deployment] += 1
         tokens = self._bearer_tokens(targets)
         futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
         for target in targets:
@@ -490,9 +501,9 @@ class Poller:
         if abandoned:
             # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
             log.info("poll_cycle_abandoned", reason="stopping", targets_not_polled=abandoned)
-            return PollResult(self._readings, self._clock())
-        result = PollResult(tuple(readings), self._clock())
-        self._readings = result.readings
+            return PollResult(self._readings, self._clock(), self._deployment_targets)
+        result = PollResult(tuple(readings), self._clock(), tuple(counts.items()))
+        self._readings, self._deployment_targets = result.readings, result.deployment_targets
         self._polls_done += 1
         for listener in self._listeners:
             try:

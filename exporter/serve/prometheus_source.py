@@ -28,8 +28,10 @@ One query, not several, because Prometheus answers one query from one consistent
 block: every sample of one scrape, or none. Remote-write backends (Mimir, Cortex, Thanos Receive)
 do not promise that: one scrape's series arrive in several batches, and a query may see some from
 the newer scrape and some from the older. So the query also asks, per target, the standard deviation
-of its series' sample times; a target whose deviation is over SAMPLE_TIME_TOLERANCE_SECONDS is not
-read that poll (its last window stands, and it is said once), since a window over two scrapes'
+of its series' sample times; a target whose series that deviation says are more than
+SAMPLE_TIME_TOLERANCE_SECONDS apart (judged as if one series were the odd one out, the least
+deviation a tear can show: torn_gap_seconds) is not read that poll (its last window stands, and it
+is said once), since a window over two scrapes'
 counters is a wrong number; one torn since before its first reading, or for longer than it may be
 stale, is down with the reason. `timestamp()` gives a sample's own time only for a bare selector and
 drops the name (so two names' series would collide), hence one `timestamp(name{selector})` per
@@ -46,6 +48,7 @@ target of the deployment down with the reason; a target whose `up` is 0 is down 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -67,8 +70,9 @@ log = structlog.get_logger("stepbudget.prometheus_source")
 SCRAPE_TIME_LABEL = "stepbudget_scrape_time"  # tags the timestamp(up) series in the one answer
 SAMPLE_TIME_SPREAD_LABEL = "stepbudget_sample_time_stddev"  # tags each target's spread of sample times
 SAMPLE_NAME_LABEL = "stepbudget_sample_name"  # keeps each name's timestamps apart once timestamp() drops it
-# All samples of one scrape carry the scrape's start time (to the millisecond); a standard deviation
-# above this, far below any real scrape interval, is series from two scrapes.
+# All samples of one scrape carry the scrape's start time (to the millisecond), so a whole scrape's
+# deviation is 0; a gap between two scrapes' sample times above this, far below any real scrape
+# interval, is series from two scrapes (torn_gap_seconds says how the gap is judged from the deviation).
 SAMPLE_TIME_TOLERANCE_SECONDS = 0.1
 # A scrape may be this many of its target's intervals old: one for its natural age, one of grace for
 # ingestion (scrape duration, remote-write batching and backend lag) before it counts as missed.
@@ -346,7 +350,7 @@ class PrometheusSource:
             cadence = f"it scrapes it every {interval:g}s; " if interval is not None else ""
             return TargetOutcome(target, error=f"Prometheus's last scrape of it is {self._clock() - at:.0f}s old "
                                                f"({cadence}{allowed:g}s allowed)")
-        torn = self._torn(key, target, scraped.sample_time_spread_seconds, allowed)
+        torn = self._torn(key, target, scraped.sample_time_spread_seconds, len(scraped.samples) + 1, allowed)
         if torn is not None:
             return torn
         if at is not None and self._read_at.get(key) == at:
@@ -385,11 +389,12 @@ class PrometheusSource:
             return self._stale_after_seconds
         return max(self._stale_after_seconds, SCRAPE_INTERVALS_ALLOWED * interval_seconds)
 
-    def _torn(self, key: ScrapeKey, target: Target, spread_seconds: float | None,
+    def _torn(self, key: ScrapeKey, target: Target, spread_seconds: float | None, series: int,
               allowed_seconds: float) -> TargetOutcome | None:
-        """None when the target's series are from one scrape; else the outcome that skips them:
-        the last window kept while there is one and the tear is younger than `allowed_seconds`."""
-        if spread_seconds is None or spread_seconds <= SAMPLE_TIME_TOLERANCE_SECONDS:
+        """None when the target's series (`series` of them, `up` included: what the deviation is over)
+        are from one scrape; else the outcome that skips them: the last window kept while there is one
+        and the tear is younger than `allowed_seconds`."""
+        if spread_seconds is None or torn_gap_seconds(spread_seconds, series) <= SAMPLE_TIME_TOLERANCE_SECONDS:
             if self._torn_since.pop(key, None) is not None:
                 log.info("scrape_consistent", deployment=self.deployment.name, target=target.target)
             return None
@@ -415,6 +420,18 @@ class PrometheusSource:
             return tuple(TargetOutcome(target, error=reason) for target in self._targets.values())
         label = urlsplit(self.spec.url).netloc or self.spec.url
         return (TargetOutcome(Target(self.deployment.name, self.spec.url, label), error=reason),)
+
+
+def torn_gap_seconds(stddev_seconds: float, series: int) -> float:
+    """How far apart two scrapes' sample times are, at least, for `series` sample times to show this
+    (population) standard deviation: m of them Δ seconds from the rest give Δ·sqrt(m(N - m))/N, least
+    at m = 1, so Δ is at least stddev·N/sqrt(N - 1). The deviation itself shrinks as 1/sqrt(N) for one
+    straggler: 0.086 s for one series of 545 two seconds behind, under a tolerance a 15 s tear of half
+    of them passes by far. Remote write sends a scrape's series over parallel shards, one batch each,
+    so one series arriving before or after the rest is the common tear, not the rare one."""
+    if series < 2:
+        return stddev_seconds
+    return stddev_seconds * series / math.sqrt(series - 1)
 
 
 def _session() -> requests.Session:

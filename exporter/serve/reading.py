@@ -29,6 +29,7 @@ IDLE_CONTEXT_TOKENS = 2000.0
 # The per-target values the collector exports (every stepbudget_<name> but target_up).
 VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
                 "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
+                "kv_cache_reserved_tokens",
                 "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step", "step_read_bytes",
                 "server_step_read_bytes", "step_read_bytes_ratio", "predicted_step_seconds",
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
@@ -46,7 +47,7 @@ WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_rati
 # Values from families only some releases or server flags give (vLLM 0.32's waiting-by-reason and
 # sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
 OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
-                   "engine_sleeping")
+                   "engine_sleeping", "kv_cache_reserved_tokens")
 
 
 # Why an exported value is an estimate (the `reason` label of stepbudget_estimated_info).
@@ -54,6 +55,8 @@ ESTIMATE_REASONS = {
     "model_capacity": "the page reports no KV capacity: the model's capacity for the configured GPU and memory",
     "hybrid_kv_blocks": "hybrid KV cache (sliding-window and full-attention groups share one block pool): "
                         "derived from block usage, assuming equal contexts",
+    "kv_reservation": "the page reports only the KV its batch reserved (TGI: prompt + max_new_tokens per request), "
+                      "not the tokens held: an upper bound",
 }
 
 
@@ -71,6 +74,8 @@ class Reading:
     tokens_in_flight: float | None = None
     kv_cache_capacity_tokens: float | None = None
     kv_cache_usage_ratio: float | None = None
+    # The KV the running batch reserved, where the page says only that (TGI): never a usage ratio.
+    kv_cache_reserved_tokens: float | None = None
     requests_running: float | None = None
     requests_waiting: float | None = None
     # Of the waiting requests, those held back by scheduling capacity (not deferred for other reasons).
@@ -118,6 +123,9 @@ class Reading:
     lacking: tuple[str, ...] = field(default_factory=tuple)
     # The server's word on the engine's sleep (Snapshot.sleep_state); None where the page does not say.
     sleep_state: str | None = None
+    # A server-wide reading's engines (not exported: each has its own series), each with its share of
+    # the server-wide measured step (server_wide_reading): what the online fit learns from, per engine.
+    ranks: tuple[Reading, ...] = field(default_factory=tuple)
 
     @property
     def engine_sleeping(self) -> float | None:
@@ -203,6 +211,12 @@ def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | N
         estimated.append(("kv_cache_capacity_tokens", "model_capacity"))
         notes.append("kv_cache_capacity_tokens: from the model (the page does not report it)")
     tokens = _valid(snapshot.tokens_in_flight, "tokens_in_flight", notes)
+    reserved = _valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", notes)
+    if tokens is None and usage is None and reserved is not None:
+        # Only the reservation (TGI): the prediction's upper bound, and no usage ratio, which would near
+        # 1 whenever the router packs a batch while the cache holds far fewer tokens.
+        estimated.append(("tokens_in_flight", "kv_reservation"))
+        return _Occupancy(reserved, capacity, None, tuple(estimated))
     if tokens is not None and capacity > 0:
         usage = min(1.0, tokens / capacity)  # SGLang's token_usage is rounded to 2 decimals
     elif tokens is None and usage is not None:
@@ -293,6 +307,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         scrape_duration_seconds=scrape_duration_seconds, last_success_timestamp_seconds=now_seconds,
         tokens_in_flight=tokens, kv_cache_capacity_tokens=occupancy.capacity_tokens,
         kv_cache_usage_ratio=occupancy.usage_ratio,
+        kv_cache_reserved_tokens=_valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", []),
         requests_running=running, requests_waiting=waiting, requests_waiting_for_capacity=waiting_for_capacity,
         preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
         prefill_tokens_per_step=prefill, server_step_read_bytes=server_bytes,
@@ -377,7 +392,22 @@ def _window_read_bytes(setup: model.ServingSetup, window: Window | None, end: mo
 def server_wide_reading(readings: list[Reading], window: Window | None) -> Reading | None:
     """One series for a server whose ITL histogram covers all its engines (SGLang under --dp-size):
     the measured step next to the prediction of the same thing, the engines' predictions weighted by
-    the tokens each generates (running / step), never one engine's prediction against it."""
+    the tokens each generates (running / step), never one engine's prediction against it.
+
+    Every token of engine i is one observation of its step t_i, and it yields running_i / t_i tokens a
+    second, so the histogram's mean is R / sum(running_i / t_i), R the running requests of all engines.
+    No engine's page says its own t_i (the scheduler-side families of SGLang 0.5.23 count passes and
+    tokens per dp_rank, not time: observability/metrics_collector.py l. 737-741 and 1032-1039;
+    forward_execution_seconds_total, l. 1054-1061, grows only under SGLANG_ENABLE_METRICS_DEVICE_TIMER,
+    managers/scheduler_components/metrics_reporter.py l. 68 and 326-339, and counts GPU time, not the
+    step a stream waits for; scheduler_idle_seconds_total, l. 1062-1068, is idle wall time). So each
+    engine is given the share of the measured mean its own prediction says: measured x p_i / P, P the
+    combined prediction. The shares combine back to the measured mean exactly, and are the engines'
+    true steps wherever the model ranks the engines right; they follow the prediction, which follows
+    the fit, so they converge as it does (tests/test_sglang_dp_calibration.py). The engines' windows,
+    with their own tokens and running requests, are what the online fit learns from (`ranks`;
+    online_calibration.windows_from_readings): the server-wide sums cannot be fitted, each engine
+    reading the weights itself, not once for all."""
     ranks = [(r.requests_running, r.predicted_step_seconds) for r in readings
              if r.predicted_step_seconds and r.requests_running]
     if not readings:
@@ -392,6 +422,12 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     if ranks:
         token_rate = sum(running / step for running, step in ranks)
         predicted = sum(running for running, _ in ranks) / token_rate
+    shares: tuple[Reading, ...] = ()
+    # Only when every engine that generates tokens has a prediction: another engine's tokens are in the
+    # measured mean too, and no share could be told for it.
+    if predicted and measured and len(ranks) == sum(1 for r in readings if r.requests_running):
+        shares = tuple(replace(r, measured_step_seconds=measured * r.predicted_step_seconds / predicted)
+                       for r in readings if r.predicted_step_seconds and r.requests_running)
     return Reading(
         deployment=first.deployment, target=first.target, model_name=first.model_name, engine="",
         namespace=first.namespace, pod=first.pod, target_up=True,
@@ -404,6 +440,7 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
         tokens_per_step=first.tokens_per_step,
         step_budget_seconds=first.step_budget_seconds, kind=first.kind,
         notes=("server-wide: the ITL histogram has no engine label; prediction weighted by each engine's token rate",),
+        ranks=shares,
     )
 
 

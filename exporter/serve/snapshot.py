@@ -49,6 +49,9 @@ class Snapshot:
     # Engines that report used tokens directly (SGLang's num_used_tokens) fill this; otherwise
     # the reading derives it as usage ratio x capacity.
     tokens_in_flight: float | None = None
+    # Tokens the running batch has reserved KV for, not those it holds (TGI's tgi_batch_current_max_tokens:
+    # each request's prompt + max_new_tokens, in whole blocks). Engines that say what is held leave it None.
+    kv_cache_reserved_tokens: float | None = None
     inter_token_latency: Histogram | None = None
     # Every prompt token the server took in, prefix-cache hits included (vLLM counts a prompt's
     # full length when its prefill finishes: vllm/v1/metrics/loggers.py, 0.33.0 l. 1262).

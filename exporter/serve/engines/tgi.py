@@ -2,11 +2,18 @@
 
 Facts and sources: shared/reference/vllm_metrics/REPORT.md §d.2 (TGI @ db931fcf, maintenance mode).
 TGI's page is thinner than vLLM's, and some fields mean something slightly different:
-- tokens in flight: `tgi_batch_current_max_tokens` is the token budget the running batch has
-  *reserved* (every request's prompt + max_new_tokens; the router admits new requests against
-  `max_batch_total_tokens - batch_max_tokens`). It is an upper bound on the KV cache held now.
-- KV usage ratio: not a TGI metric; derived here as reserved / `tgi_batch_max_total_tokens`, which is
-  exactly the fullness TGI's own admission control sees.
+- tokens in flight: TGI's page has none. `tgi_batch_current_max_tokens` is the KV the running batch
+  has *reserved*: the batch's blocks x block size (server/text_generation_server/models/
+  flash_causal_lm.py l. 215 at db931fcf), each request allocated blocks for its prompt +
+  max_new_tokens + speculate - 1 when the router admits it (backends/v3/src/queue.rs l. 315-321), and
+  set per decode loop in backends/v3/src/backend.rs l. 171. The tokens held (prompt + generated so far)
+  are in no metric (`current_tokens`, l. 216, is the step's input ids and is not exported). So the
+  reservation is read as `kv_cache_reserved_tokens`, and the reading predicts with it as an upper
+  bound on the tokens in flight (marked an estimate).
+- KV usage ratio: none. reserved / `tgi_batch_max_total_tokens` nears 1 whenever the router packs a
+  batch (it admits against `max_batch_total_tokens - batch_max_tokens`, backend.rs l. 173), with the
+  cache far from full of tokens: no usage ratio is derived, so no KV-full alert looks at the
+  reservation.
 - measured step: `tgi_batch_inference_duration{method="decode"}` has one observation per decode
   forward (every running request gets one token from it), so its count is decode steps, not tokens.
   TGI runs prefill as separate forward passes; their pauses are not in this histogram.
@@ -20,8 +27,7 @@ Counters from the Rust exporter appear without `_total` on older releases; both 
 
 from __future__ import annotations
 
-from exporter.serve.engines.exposition import PageScan
-from exporter.serve.engines.families import Adapter, EngineLabels, FamilySpec, Identity, Selection
+from exporter.serve.engines.families import Adapter, EngineLabels, FamilySpec
 
 DECODE = (("method", "decode"),)
 
@@ -29,7 +35,7 @@ SPECS = (
     FamilySpec("requests_running", ("tgi_batch_current_size",), "gauge"),
     FamilySpec("requests_waiting", ("tgi_queue_size",), "gauge"),
     FamilySpec("kv_cache_capacity_tokens", ("tgi_batch_max_total_tokens",), "gauge"),
-    FamilySpec("tokens_in_flight", ("tgi_batch_current_max_tokens",), "gauge"),
+    FamilySpec("kv_cache_reserved_tokens", ("tgi_batch_current_max_tokens",), "gauge"),
     FamilySpec("inter_token_latency", ("tgi_batch_inference_duration",), "histogram", match=DECODE),
     FamilySpec("prompt_tokens_total", ("tgi_request_input_length_sum",), "counter"),
     FamilySpec("generation_tokens_total", ("tgi_request_generated_tokens_sum",), "counter"),
@@ -39,19 +45,6 @@ SPECS = (
 )
 
 
-def _reserved_ratio(scan: PageScan, selection: Selection, who_all: list[Identity]) -> None:
-    for who in who_all:
-        values = selection.values[who]
-        reserved, capacity = values.get("tokens_in_flight"), values.get("kv_cache_capacity_tokens")
-        if isinstance(reserved, float) and isinstance(capacity, float) and capacity > 0:
-            values["kv_cache_usage_ratio"] = reserved / capacity
-        else:
-            selection.missing[who]["kv_cache_usage_ratio"] = (
-                "TGI has no KV usage metric; derived from tgi_batch_current_max_tokens / "
-                "tgi_batch_max_total_tokens, and one of them is missing"
-            )
-
-
 ADAPTER = Adapter(
     kind="tgi",
     specs=SPECS,
@@ -59,6 +52,9 @@ ADAPTER = Adapter(
     not_offered=(
         ("preemptions_total", "TGI exports no preemption metric"),
         ("block_size_tokens", "TGI exports no block size"),
+        ("tokens_in_flight", "TGI reports the tokens its batch reserved (tgi_batch_current_max_tokens), not those "
+                             "held: predicted with the reservation, an upper bound"),
+        ("kv_cache_usage_ratio", "TGI has no KV usage metric, and its reservation over tgi_batch_max_total_tokens "
+                                 "nears 1 whenever the router packs a batch: left out"),
     ),
-    finish=_reserved_ratio,
 )
