@@ -22,8 +22,8 @@ from exporter.serve.discovery import Discovery
 from exporter.serve.poller import Poller
 from tests.support.clocks import ManualClock, SteppingClock
 from tests.support.pollers import scrape
-from tests.test_prometheus_source import QueryApi, poller_for, success
-from tests.test_prometheus_source import config as prometheus_config
+from tests.support.prometheus_api import QueryApi, poller_for, success
+from tests.support.prometheus_api import config as prometheus_config
 
 PAGE = (Path(__file__).parent / "data" / "genuine" / "vllm-0.33.0_GENUINE_dp1_t0.prom").read_text()
 MODEL = {"model": "qwen3-8b", "gpu": "h100-sxm"}

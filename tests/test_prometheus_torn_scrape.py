@@ -26,7 +26,7 @@ from exporter.serve.prometheus_source import (
 )
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
-from tests.test_prometheus_source import SCRAPED_AT, QueryApi, config, poller_for, scraped, success
+from tests.support.prometheus_api import SCRAPED_AT, QueryApi, config, poller_for, scraped, success
 
 ENGINES = 32  # a wide expert-parallel vLLM: one API server, 32 data-parallel engines
 INTERVAL = 2.0  # its scrape interval
