@@ -6,6 +6,7 @@ A small route table (method, path) -> handler lets other modules (admission: `PO
 
 from __future__ import annotations
 
+import functools
 import gzip
 import html
 import threading
@@ -16,9 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from exporter import __version__
-from exporter.serve.exposition_writer import render_text
+from exporter.serve.exposition_writer import render_openmetrics, render_text
 
 log = structlog.get_logger("stepbudget.server")
 
@@ -95,8 +97,11 @@ class MetricsPage:
         encoder, content_type = choose_encoder(accept)
         if encoder is generate_latest:
             # The plain text format: the same bytes, written without per-sample label escaping
-            # (exporter/serve/exposition_writer.py). OpenMetrics, by Accept, stays prometheus_client's.
+            # (exporter/serve/exposition_writer.py).
             encoder = render_text
+        elif isinstance(encoder, functools.partial) and encoder.func is openmetrics.generate_latest:
+            # OpenMetrics, what Prometheus asks for first: the same bytes, written the same way.
+            encoder = functools.partial(render_openmetrics, *encoder.args, **encoder.keywords)
         with self._lock:
             encoded = self._current(encoder, content_type)
             if not gzip_accepted(accept_encoding):
