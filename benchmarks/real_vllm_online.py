@@ -51,6 +51,8 @@ def run(workdir: Path) -> list[dict[str, object]]:
         port = free_port()
         config = {
             "listen": f"127.0.0.1:{port}", "poll_interval": f"{POLL_SECONDS:g}s", "timeout": "10s",
+            # The drift alert's `for`, scaled down with the holdout (which must outlast it and two polls).
+            "alerting": {"drift_for": f"{HOLDOUT_SECONDS - 2 * POLL_SECONDS:g}s"},
             "deployments": [{
                 "name": "tiny", "model": str(server.settings.model_dir / "config.json"), "gpu": HOST,
                 "weight_dtype": "float32",

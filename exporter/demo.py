@@ -156,11 +156,16 @@ def daemon_config(listen: str, poll_interval: str, calibration_path: Path, pools
             "targets": {"static": [f"{pool.handle.url}/metrics"]},
         } for pool in pools],
         # Wall-time durations: the simulators run faster than real time, so the fit converges in a minute.
-        "defaults": {"online_calibration": DEMO_ONLINE_CALIBRATION},
+        # The drift alert's `for` is scaled down with them: a holdout must outlast it (and two polls).
+        "defaults": {"online_calibration": {
+            **DEMO_ONLINE_CALIBRATION,
+            "holdout": f"{max(20.0, DEMO_DRIFT_FOR_SECONDS + 2 * parse_duration_seconds(poll_interval, 'poll')):g}s"}},
+        "alerting": {"drift_for": f"{DEMO_DRIFT_FOR_SECONDS:g}s"},
     }
 
 
 DEMO_ONLINE_CALIBRATION = {"history": "10m", "holdout": "20s", "min_windows": 15}
+DEMO_DRIFT_FOR_SECONDS = 10.0
 PARAMETER_SERIES = ("step_overhead_seconds", "per_request_seconds", "effective_compute_flops_per_second",
                     "online_fit_windows", "online_fit_residual_ratio")
 

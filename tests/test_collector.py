@@ -18,6 +18,7 @@ from exporter.capacity.presets import get_gpu, get_model_preset
 from exporter.serve.collector import PER_TARGET, make_registry
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.discovery import Discovery
+from exporter.serve.online_calibration import setup_key
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller, scrape
@@ -118,10 +119,16 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     assert samples["stepbudget_kv_bytes_per_token"] == [({"deployment": "chat"}, kv_per_token)]
     assert samples["stepbudget_weight_bytes"] == [({"deployment": "chat"}, weights)]
     # The page's cache_config_info says cache_dtype="auto", which agrees with the config's "auto".
+    setup = setup_key(config.deployments[0].resolved)
     assert samples["stepbudget_model_info"] == [({"deployment": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
                                                   "tensor_parallel": "1", "kv_cache_dtype": "auto",
                                                   "configured_kv_cache_dtype": "auto",
-                                                  "kv_cache_dtype_source": "page"}, 1.0)]
+                                                  "kv_cache_dtype_source": "page", "setup": setup}, 1.0)]
+    # What the online fit reads back after a restart: the setup the window ran on (the page has no
+    # iteration-tokens histogram here, so no prefill mix).
+    assert samples["stepbudget_window_setup_info"] == [
+        ({**labels, "setup": setup, "kv_cache_dtype": "auto", "block_size": "16"}, 1.0)]
+    assert "stepbudget_prefill_mix_tokens" not in samples
     assert samples["stepbudget_build_info"] == [({"version": __version__}, 1.0)]
 
 

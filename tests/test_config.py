@@ -537,3 +537,49 @@ def test_stale_after_is_checked_against_a_deployments_query_timeout(tmp_path: Pa
     assert ("stale_after: 60s is not longer than poll_interval + "
             "deployments[0].targets.prometheus.query_timeout (30s + 40s = 70s)") in message
     assert "at least 100s" in message
+
+
+# --- online_calibration.holdout against StepBudgetPredictionDrift's `for` --------------------------
+
+
+def test_a_holdout_the_drift_alert_would_not_outlast_is_refused_saying_what_to_set(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The holdout is how long a change of the server's speed shows as prediction error before the fit
+    takes it in: shorter than the drift alert's `for` (15m in the rules) + two polls, the change can be
+    fitted before the alert fires (tests/test_online_calibration.py shows it absorbed unseen)."""
+    text = "defaults:\n  online_calibration:\n    holdout: 10m\n" + textwrap.dedent(MINIMAL)
+    message = error_of(tmp_path, text)
+    assert message.startswith(f"{tmp_path / 'stepbudget.yaml'}:3: defaults.online_calibration.holdout: "
+                              "deployment 'chat': holdout 600s is shorter than the rules' StepBudgetPredictionDrift "
+                              "`for` (900s) + 2 x poll_interval (15s) = 930s"), message
+    assert "set holdout to at least 930s (default 30m), or shorten the alert's `for` with alerting.drift_for" in message
+    assert cli.main(["check-config", str(write(tmp_path, text))]) == 2
+    assert "holdout 600s is shorter" in capsys.readouterr().err
+    # A deployment's own holdout is named at its own line.
+    own = textwrap.dedent(MINIMAL) + "    online_calibration: {holdout: 5m}\n"
+    assert ":7: deployments[0].online_calibration.holdout: deployment 'chat': holdout 300s" in error_of(tmp_path, own)
+    # Accepted: long enough, the drift alert's `for` shortened with it, or no online calibration.
+    assert load_config(str(write(tmp_path, "defaults:\n  online_calibration:\n    holdout: 930s\n"
+                                 + textwrap.dedent(MINIMAL))))
+    scaled = load_config(str(write(tmp_path, "alerting:\n  drift_for: 5m\n" + text)))
+    assert scaled.alerting.drift_for_seconds == 300
+    assert load_config(str(write(tmp_path, textwrap.dedent(MINIMAL)
+                                 + "    online_calibration: {enabled: false, holdout: 1m}\n")))
+    # Not given, the built-in 30m grows to the floor (a long drift `for`, hour-long polls), as
+    # stale_after does.
+    grown = load_config(str(write(tmp_path, "alerting:\n  drift_for: 1h\n" + textwrap.dedent(MINIMAL))))
+    assert grown.deployments[0].online_calibration.holdout_seconds == 3600 + 2 * 15
+    slow = load_config(str(write(tmp_path, "poll_interval: 1h\n" + textwrap.dedent(MINIMAL))))
+    assert slow.deployments[0].online_calibration.holdout_seconds == 900 + 2 * 3600
+
+
+def test_the_drift_for_the_config_checks_is_the_rules_and_the_loop_uses_alerting_drift_for() -> None:
+    from exporter.serve.alerting import AlertLoop
+    from exporter.serve.config import Alerting, packaged_drift_for_seconds
+
+    assert packaged_drift_for_seconds() == 900.0  # rules/stepbudget.alerts.yaml: for: 15m
+    loop = AlertLoop(Alerting(drift_for_seconds=60.0, for_seconds=120.0), poll_interval_seconds=15.0)
+    fors = {rule.name: rule.for_seconds for rule in loop.rules}
+    assert fors["StepBudgetPredictionDrift"] == 60.0 and fors["StepBudgetPredictedStepOverBudget"] == 120.0
+    assert {rule.name: rule.for_seconds for rule in AlertLoop(Alerting(), poll_interval_seconds=15.0).rules}[
+        "StepBudgetPredictionDrift"] == 900.0

@@ -15,7 +15,8 @@ from exporter.serve.online_calibration import DeploymentCalibration, FitWindow, 
 
 
 def _calibration(holdout: str = "30m") -> DeploymentCalibration:
-    config = config_from_mapping({"defaults": {"online_calibration": {"holdout": holdout}}, "deployments": [{
+    config = config_from_mapping({"poll_interval": "1s", "alerting": {"drift_for": "10s"},  # a holdout outlasts it
+                                  "defaults": {"online_calibration": {"holdout": holdout}}, "deployments": [{
         "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm",
         "targets": {"static": ["http://127.0.0.1:8000/metrics"]}}]})
     return OnlineCalibrator(config.deployments).deployments["pool"]

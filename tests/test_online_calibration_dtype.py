@@ -68,6 +68,7 @@ class Run:
 @cache
 def _run(page_dtype: str, config_dtype: str, agents: int) -> Run:
     deployment = config_from_mapping({
+        "poll_interval": "5s", "alerting": {"drift_for": "30s"},  # scaled down, as the page's `for`
         "defaults": {"online_calibration": {"history": "20m", "holdout": "1m", "min_windows": 30}},
         "deployments": [{"name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm", "kv_cache_dtype": config_dtype,
                          "targets": {"static": [TARGET_URL]}}]}).deployments[0]

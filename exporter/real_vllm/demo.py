@@ -144,16 +144,22 @@ def _one_each(load: LoadGenerator, phase: Phase) -> None:
 def daemon_config(listen: str, poll_interval: str, model_path: str, calibration_path: Path | None,
                   metrics_url: str) -> dict[str, object]:
     """The daemon's config; without a calibration file, the setup the calibration itself starts from."""
+    poll = parse_duration_seconds(poll_interval, "--poll-interval")
     deployment: dict[str, object] = {
         "name": DEPLOYMENT, "model": model_path, "gpu": HOST, "weight_dtype": "float32",
         "kv_cache_dtype": "float32", "target_tokens_per_second": TARGET_TOKENS_PER_SECOND,
-        "online_calibration": {"history": "30m", "holdout": "30s", "min_windows": 12},
+        # Minutes, not hours: the drift alert's `for` is scaled down with the holdout, which must outlast it.
+        "online_calibration": {"history": "30m", "holdout": f"{max(30.0, DRIFT_FOR_SECONDS + 2 * poll):g}s",
+                               "min_windows": 12},
         "targets": {"static": [metrics_url]},
     }
     if calibration_path is not None:
         deployment["calibration"] = str(calibration_path)
     return {"listen": listen, "poll_interval": poll_interval, "timeout": "10s", "log_format": "json",
-            "deployments": [deployment]}
+            "alerting": {"drift_for": f"{DRIFT_FOR_SECONDS:g}s"}, "deployments": [deployment]}
+
+
+DRIFT_FOR_SECONDS = 20.0
 
 
 if __name__ == "__main__":

@@ -175,6 +175,16 @@ class AlertRule:
         return self.labels["severity"]
 
 
+def packaged_for_seconds(alert: str) -> float:
+    """One alert's `for` in the packaged rules file (what config validation holds other durations to)."""
+    text = resources.files("exporter").joinpath(PACKAGED_RULES).read_text(encoding="utf-8")
+    for group in yaml.safe_load(text)["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == alert:
+                return parse_overhead_seconds(str(rule.get("for", "0s")), f"exporter/{PACKAGED_RULES}: {alert}: for")
+    raise InputError(f"exporter/{PACKAGED_RULES}: no alert {alert}")
+
+
 def load_alert_rules(path: Path | None = None, *, skip: Collection[str] = ()) -> tuple[AlertRule, ...]:
     """Every alert of the rules file (the packaged one when `path` is None) but those in `skip`
     (alerts only Prometheus can raise), in file order; raise InputError naming any part it cannot honour."""

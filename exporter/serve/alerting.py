@@ -44,7 +44,7 @@ import structlog
 
 from exporter.errors import InputError
 from exporter.serve.alert_rules import AlertRule, load_alert_rules
-from exporter.serve.config import Alerting
+from exporter.serve.config import DRIFT_ALERT, Alerting
 from exporter.serve.reading import Reading
 
 if TYPE_CHECKING:
@@ -226,12 +226,14 @@ def _described(alert: _Alert) -> dict[str, object]:
     }
 
 
-def _with_page_for(rules: Iterable[AlertRule], for_seconds: float | None) -> tuple[AlertRule, ...]:
-    """Config `alerting.for` overrides the page's `for` only (docs/operations.md): a site can page
-    sooner or later without forking the rules file."""
-    if for_seconds is None:
-        return tuple(rules)
-    return tuple(replace(rule, for_seconds=for_seconds) if rule.name == PAGE_ALERT else rule for rule in rules)
+def _with_page_for(rules: Iterable[AlertRule], for_seconds: float | None,
+                   drift_for_seconds: float | None = None) -> tuple[AlertRule, ...]:
+    """Config `alerting.for` overrides the page's `for` (docs/operations.md): a site can page sooner or
+    later without forking the rules file; `alerting.drift_for` the drift alert's, which every online
+    calibration's holdout outlasts (config._check_holdouts)."""
+    wanted = {name: seconds for name, seconds in ((PAGE_ALERT, for_seconds), (DRIFT_ALERT, drift_for_seconds))
+              if seconds is not None}
+    return tuple(replace(rule, for_seconds=wanted[rule.name]) if rule.name in wanted else rule for rule in rules)
 
 
 def _iso(seconds: float) -> str:
@@ -252,7 +254,8 @@ class AlertLoop:
         self._clock = clock
         self._post = post
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
-        self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds)
+        self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds,
+                                    config.drift_for_seconds)
         self._page = next(rule for rule in self.rules if rule.name == PAGE_ALERT)
         self._reading_rules = tuple(rule for rule in self.rules if rule.name in CONDITIONS)
         # A sharded daemon's counts are its share's (build_daemon): only Prometheus sums them.

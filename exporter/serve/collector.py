@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from exporter import __version__
 from exporter.capacity import model
 from exporter.serve.config import Deployment
+from exporter.serve.online_calibration import MIX_PARTS, fit_mix, setup_key
 from exporter.serve.reading import Reading, page_setup
 from exporter.serve.window import MEDIAN_RESOLUTION_RATIO
 
@@ -162,6 +163,16 @@ PARAMETER_FAMILIES = (
     ("stepbudget_effective_compute_flops_per_second", "Effective dense compute the prediction uses, per GPU.",
      "effective_compute_flops_per_second"),
 )
+# The online fit's name of each exported term (online_calibration.Parameters), and back.
+FIT_PARAMETERS = {"effective_bandwidth_bytes_per_second": "bandwidth_bytes_per_second",
+                  "step_overhead_seconds": "step_overhead_seconds", "per_request_seconds": "per_request_seconds",
+                  "effective_compute_flops_per_second": "compute_flops_per_second"}
+EXPORTED_PARAMETERS = {fitted: exported for exported, fitted in FIT_PARAMETERS.items()}
+# What a window's online fit needs beyond the per-target gauges, so that after a restart the fit
+# reads its windows back from Prometheus as it had them (exporter/serve/online_seed.py).
+MIX_TOKENS_METRIC = "stepbudget_prefill_mix_tokens"
+MIX_SHARE_METRIC = "stepbudget_prefill_mix_share_ratio"
+WINDOW_SETUP_METRIC = "stepbudget_window_setup"
 
 
 class StepBudgetCollector(Collector):
@@ -172,6 +183,8 @@ class StepBudgetCollector(Collector):
         self._readings = readings
         self._deployments = tuple(deployments)
         self._deployment_targets = deployment_targets
+        self._setup_keys = {deployment.name: setup_key(deployment.resolved) for deployment in self._deployments}
+        self._configured_kv = {deployment.name: deployment.kv_cache_dtype for deployment in self._deployments}
 
     def describe(self) -> Iterable[Metric]:
         return []  # no auto-describe: collecting at registration would be pointless work
@@ -211,6 +224,7 @@ class StepBudgetCollector(Collector):
                 estimated.add_sample("stepbudget_estimated_info",
                                      {**labels, "quantity": quantity, "reason": reason}, 1.0)
         yield estimated
+        yield from self._fit_windows(labelled)
         yield from self._per_deployment(readings)
         targets = Metric(DEPLOYMENT_TARGETS_METRIC, "Targets the last poll found for the deployment (discovery, or "
                          "its Prometheus query; this shard's share when sharded): 0 means it watches nothing.", "gauge")
@@ -220,6 +234,39 @@ class StepBudgetCollector(Collector):
         build = Metric("stepbudget_build", "stepbudget build information.", "info")
         build.add_sample("stepbudget_build_info", {"version": __version__}, 1.0)
         yield build
+
+    def _fit_windows(self, labelled: Sequence[tuple[Reading, dict[str, str]]]) -> Iterator[Metric]:
+        """Per target, what its window's online fit needs beyond the gauges: the window's steps by
+        prefill tokens (at most MIX_PARTS parts, the unused ones 0, so no part lingers from an
+        earlier window) and the setup the window ran on."""
+        tokens = Metric(MIX_TOKENS_METRIC, "The last poll window's engine steps in parts by prefill tokens "
+                        "(vllm:iteration_tokens_total's buckets; label part, 0 the fewest): prompt tokens "
+                        "computed per step in the part. What the online fit reads back after a restart.", "gauge")
+        shares = Metric(MIX_SHARE_METRIC, "Share of the last poll window's engine steps in the part (0-1; "
+                        "the parts sum to 1, unused parts 0).", "gauge")
+        setups = Metric(WINDOW_SETUP_METRIC, "The setup a target's windows ran on: setup (the deployment's "
+                        "model, device, tensor parallelism and weight bytes, hashed; stepbudget_model_info has "
+                        "it too), and the KV cache dtype and block size predicted with. The online fit reads "
+                        "back from Prometheus only the windows of the setup it fits.", "info")
+        for reading, labels in labelled:
+            if not reading.target_up or reading.tokens_in_flight is None:
+                continue
+            mix = fit_mix(reading.prefill_mix)
+            if mix:
+                for part in range(MIX_PARTS):
+                    part_tokens, part_share = mix[part] if part < len(mix) else (0.0, 0.0)
+                    part_labels = {**labels, "part": str(part)}
+                    tokens.add_sample(MIX_TOKENS_METRIC, part_labels, part_tokens)
+                    shares.add_sample(MIX_SHARE_METRIC, part_labels, part_share)
+            setup = self._setup_keys.get(reading.deployment)
+            if setup is not None:
+                setups.add_sample(WINDOW_SETUP_METRIC + "_info", {
+                    **labels, "setup": setup,
+                    "kv_cache_dtype": reading.kv_cache_dtype or self._configured_kv[reading.deployment],
+                    "block_size": str(reading.block_size_tokens or "")}, 1.0)
+        yield tokens
+        yield shares
+        yield setups
 
     def _per_deployment(self, readings: Sequence[Reading]) -> Iterator[Metric]:
         kv = Metric("stepbudget_kv_bytes_per_token", "KV cache bytes one token costs per GPU, all layers.", "gauge")
@@ -248,6 +295,7 @@ class StepBudgetCollector(Collector):
                 "kv_cache_dtype": page_dtype or deployment.kv_cache_dtype,
                 "configured_kv_cache_dtype": deployment.kv_cache_dtype,
                 "kv_cache_dtype_source": "page" if page_dtype else "config",
+                "setup": self._setup_keys[deployment.name],
             }, 1.0)
         yield kv
         yield weights
@@ -261,20 +309,29 @@ class StepBudgetCollector(Collector):
                          "is in use).", "gauge")
         residual = Metric("stepbudget_online_fit_residual_ratio", "Median |relative residual| of the windows in the "
                           "deployment's online fit.", "gauge")
+        held = Metric("stepbudget_online_fit_held", "A term the deployment's online fit keeps at its seed because "
+                      "its windows do not identify it: label parameter names the stepbudget_ series, reason why "
+                      "(docs/operations.md).", "info")
         for deployment in self._deployments:
-            setup, source = deployment.predicting_setup()
+            setup, _ = deployment.predicting_setup()
             labels = {"deployment": deployment.name}
-            for family, attribute in families:
-                family.add_sample(family.name, {**labels, "source": source}, float(getattr(setup, attribute)))
             in_use = deployment.setup_in_use.get()
+            for family, attribute in families:
+                source = (in_use.source_of(FIT_PARAMETERS[attribute]) if in_use is not None
+                          else deployment.resolved.bandwidth_source)
+                family.add_sample(family.name, {**labels, "source": source}, float(getattr(setup, attribute)))
             if in_use is not None:
                 windows.add_sample(windows.name, labels, float(in_use.fit_windows))
                 if in_use.fit_residual_ratio is not None:
                     residual.add_sample(residual.name, labels, in_use.fit_residual_ratio)
+                for term in in_use.held:
+                    held.add_sample("stepbudget_online_fit_held_info", {
+                        **labels, "parameter": EXPORTED_PARAMETERS[term.parameter], "reason": term.reason}, 1.0)
         for family, _ in families:
             yield family
         yield windows
         yield residual
+        yield held
 
 
 class PageRegistry(CollectorRegistry):

@@ -16,10 +16,11 @@ daemon's poller or server.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -72,6 +73,7 @@ from exporter.config_validators import (
     whole_positive,
 )
 from exporter.errors import InputError
+from exporter.serve.alert_rules import packaged_for_seconds
 from exporter.serve.online_calibration import Settings as OnlineSettings
 from exporter.serve.online_calibration import SetupInUse
 from exporter.serve.sharding import SHARD_SECTION
@@ -322,6 +324,8 @@ DEPLOYMENT_KEYS: Table = {
 ALERTING_KEYS: Table = {
     "alertmanager_urls": Key(url_list, [], "Alertmanager base URLs; empty: the in-process alert loop is off"),
     "for": Key(duration, None, "overrides the page's `for` (StepBudgetPredictedStepOverBudget, 5m in the rules)"),
+    "drift_for": Key(duration, None, "overrides StepBudgetPredictionDrift's `for` (15m in the rules) in the daemon's "
+                                     "loop; every online_calibration.holdout must outlast it"),
     "timeout": Key(duration, 5.0, "timeout of each POST to Alertmanager"),
     "generator_url": Key(url, None, "link put in each alert (default: this daemon's `/`)"),
 }
@@ -465,11 +469,12 @@ class Deployment:
     setup_in_use: SetupInUse = field(default_factory=SetupInUse, compare=False, repr=False)
 
     def predicting_setup(self) -> tuple[ServingSetup, str]:
-        """The setup to predict with and the source of its rates (`online` once the fit replaced the seed)."""
+        """The setup to predict with and the source of its bandwidth (`online` once the fit replaced the
+        seed's, the seed's own where the fit holds it: InUse.source_of)."""
         in_use = self.setup_in_use.get()
         if in_use is None:
             return self.resolved.setup, self.resolved.bandwidth_source
-        return in_use.setup, in_use.source
+        return in_use.setup, in_use.source_of("bandwidth_bytes_per_second")
 
     @property
     def mode(self) -> str:
@@ -490,6 +495,7 @@ class Alerting:
     alertmanager_urls: tuple[str, ...] = ()
     for_seconds: float | None = None
     timeout_seconds: float = 5.0
+    drift_for_seconds: float | None = None  # StepBudgetPredictionDrift's `for` in the loop (None: the rules file's)
     generator_url: str | None = None
 
 
@@ -696,7 +702,9 @@ def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Sect
     alerting = Alerting(
         alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
         timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
+        drift_for_seconds=alerting_raw["drift_for"],
     ) if alerting_raw else Alerting()
+    deployments = _check_holdouts(document, top, deployments, alerting, root)
     config = Config(
         listen=top["listen"], poll_interval_seconds=top["poll_interval"], timeout_seconds=top["timeout"],
         stale_after_seconds=stale_after, max_response_bytes=int(top["max_response_bytes"]),
@@ -753,6 +761,60 @@ def _stale_after_seconds(top: Mapping[str, Any], deployments: tuple[Deployment, 
             f"`for` timers; set stale_after to at least {floor:g}s (2 x poll_interval + {short}), "
             f"or leave it out to get that")
     return float(given)
+
+
+DRIFT_ALERT = "StepBudgetPredictionDrift"
+
+
+@functools.cache
+def packaged_drift_for_seconds() -> float:
+    """StepBudgetPredictionDrift's `for` in the packaged rules file (15m)."""
+    return packaged_for_seconds(DRIFT_ALERT)
+
+
+def _check_holdouts(document: Any, top: Mapping[str, Any], deployments: tuple[Deployment, ...], alerting: Alerting,
+                    root: Where) -> tuple[Deployment, ...]:
+    """Every enabled online calibration's `holdout` outlasts StepBudgetPredictionDrift's `for`, plus two
+    polls (the first that sees the change, the one that evaluates the alert). The holdout is how long
+    a change of the server's speed shows as prediction error before the fit takes it in; shorter than
+    the alert's `for`, a slower GPU or engine release can be absorbed with no alert, so a holdout given
+    that short is refused (a deliberate value is not silently changed); not given, the built-in 30m
+    grows to that floor (hour-long polls)."""
+    drift_for = alerting.drift_for_seconds
+    drift_for = packaged_drift_for_seconds() if drift_for is None else drift_for
+    floor = drift_for + 2 * top["poll_interval"]
+    defaults = top["defaults"] or {}
+    default_section = defaults.get("online_calibration") or {}
+    checked = list(deployments)
+    for index, deployment in enumerate(deployments):
+        settings = deployment.online_calibration
+        if settings is None or not settings.enabled or settings.holdout_seconds >= floor:
+            continue
+        own = top["deployments"][index]["online_calibration"] or {}
+        if own.get("holdout") is not None:
+            path: tuple[str | int, ...] = ("deployments", index, "online_calibration", "holdout")
+        elif default_section.get("holdout") is not None:
+            path = ("defaults", "online_calibration", "holdout")
+        else:
+            checked[index] = replace(deployment, online_calibration=replace(settings, holdout_seconds=floor))
+            continue
+        where, node = root, document
+        for key in path:
+            lines = getattr(node, "item_lines", None) if isinstance(key, int) else getattr(node, "key_lines", None)
+            line = (lines[key] if isinstance(key, int) and lines and key < len(lines)
+                    else lines.get(key) if isinstance(lines, Mapping) else None)
+            where = where.child(key, line)
+            try:
+                node = node[key]
+            except (KeyError, IndexError, TypeError):
+                node = None
+        named = "alerting.drift_for" if alerting.drift_for_seconds is not None else f"the rules' {DRIFT_ALERT}"
+        raise where.error(
+            f"deployment {deployment.name!r}: holdout {settings.holdout_seconds:g}s is shorter than {named} `for` "
+            f"({drift_for:g}s) + 2 x poll_interval ({top['poll_interval']:g}s) = {floor:g}s: a step change would be "
+            f"fitted before {DRIFT_ALERT} fires, and never alert; set holdout to at least {floor:g}s (default 30m), "
+            f"or shorten the alert's `for` with alerting.drift_for (and in the rules Prometheus evaluates)")
+    return tuple(checked)
 
 
 def read_document(path: str) -> Any:

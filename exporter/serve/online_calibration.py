@@ -7,10 +7,15 @@ are compute-bound, the compute rate), so that a sudden change shows as predictio
 StepBudgetPredictionDrift) for `holdout` before the fit absorbs it.
 
 The fit (`fit_windows`) is pure: robust (Huber weights on relative residuals, windows past six robust
-standard deviations left out: restarts, preemption storms), held near the seed in the directions the
-windows cannot tell apart (a ridge of 0.1% of the data's own weight toward the seed), and bounded to
+standard deviations left out: restarts, preemption storms), pulled toward the seed by a ridge of 0.1% of
+what the windows say about each term beyond the others (a numerical guard, not a prior), and bounded to
 physically sane values (`model.FitBounds`; bandwidth and compute at least 5% of peak). It replaces the seed only with
-`min_windows` windows whose tokens in flight spread enough. Each window's bytes are counted with its
+`min_windows` windows whose tokens in flight spread enough, and fits each term only where the windows
+identify it (`identify_terms`): tokens in flight that merely follow running requests (a steady context per
+request) cannot tell the KV bytes from the per-request cost, so the bandwidth stays at its seed; a steady
+running count keeps the per-request cost at its seed; windows that never say how prefill split into
+steps, or never reach the compute roof, keep the compute rate. What is held, and why, is exported
+(`Fit.held`). Each window's bytes are counted with its
 engine's own KV dtype and block size (`window_setup`), as its reading predicts. `OnlineCalibrator` is
 the wiring: it collects the windows from the poller's readings into each deployment's `WindowHistory`
 (thinned by time, so a fleet's fit spans the history as one engine's does), refits (deployments at
@@ -20,9 +25,11 @@ that moves a parameter by more than 5%.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import itertools
+import json
 import math
 import statistics
 import threading
@@ -52,6 +59,16 @@ DEFAULT_MIN_WINDOWS = 30
 # Tokens in flight must spread this much ((90th - 10th percentile) / median) for the windows to tell
 # the fixed costs from the bytes: a single load level fits any split between them.
 MIN_TOKENS_SPREAD_RATIO = 0.05
+# A term is fitted only where its own column spreads this much beyond what the other free terms'
+# columns explain ((90th - 10th percentile of the residual) / median of the column): below it the
+# split between them is set by noise and by where the model and the server differ, not by the server.
+# On the simulator (2% noise, truth 0.8 x peak), a context-per-request spread giving 0.24 fitted the
+# bandwidth 15-19% high; 0.44 and over within 4%.
+MIN_OWN_SPREAD_RATIO = 0.4
+# Prefill mixes are kept (and exported, and read back from Prometheus after a restart) in at most this
+# many parts: vLLM's iteration-tokens buckets rarely hold more than a decode part, a chunk part and
+# one or two in between, and merging the nearest parts keeps the prefill tokens.
+MIX_PARTS = 4
 LOG_CHANGE_RATIO = 0.05  # a refit that moves a parameter by more than this is logged
 # A fleet adds one window per engine per poll: 1,000 engines over 6 h at 15 s would be 1.4 million
 # windows. The history is cut into HISTORY_SLICES slices of time, and each keeps at most
@@ -137,15 +154,43 @@ class Parameters:
                 "compute_flops_per_second": self.compute_flops_per_second}
 
 
+# Why a term stays at its seed (the `reason` label of stepbudget_online_fit_held_info).
+HELD_REASONS = {
+    "tokens_follow_running_requests": "tokens in flight only follow running requests (a steady context per "
+                                      "request): the KV bytes cannot be told from the per-request cost",
+    "tokens_steady": "tokens in flight barely change (at a steady running count): the KV bytes cannot be told "
+                     "from the per-step overhead",
+    "running_requests_steady": "running requests barely change: the per-request cost cannot be told from the "
+                               "per-step overhead",
+    "no_prefill_mix": "fewer than half the windows say how their prefill split into steps (vLLM's "
+                      "iteration_tokens_total): spread evenly, a few big chunks read as a slow GPU",
+    "no_compute_bound_steps": "no window holds a step past the compute roof: the compute rate changes no prediction",
+}
+BANDWIDTH, OVERHEAD, PER_REQUEST, COMPUTE = ("bandwidth_bytes_per_second", "step_overhead_seconds",
+                                             "per_request_seconds", "compute_flops_per_second")
+
+
+@dataclass(frozen=True)
+class Held:
+    """A term the windows do not identify, kept at its seed: `reason` is a HELD_REASONS code, `detail`
+    the numbers behind it."""
+
+    parameter: str  # a Parameters field
+    reason: str
+    detail: str = ""
+
+
 @dataclass(frozen=True)
 class Fit:
-    """A fit's outcome. `parameters` is None when the seed stays (`reason` says why)."""
+    """A fit's outcome. `parameters` is None when the seed stays (`reason` says why); otherwise the
+    terms in `held` are the seed's (the windows do not identify them) and the others are fitted."""
 
     parameters: Parameters | None
     windows: int  # windows offered (inside history, outside the holdout)
     windows_used: int  # after leaving out the outliers
     residual_ratio: float | None  # median |relative residual| of the windows used
     reason: str = ""
+    held: tuple[Held, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -220,6 +265,49 @@ def _predict(column: _Columns, inverse_bandwidth: float, overhead: float, per_re
         for phase in column.phases)
 
 
+def fit_mix(mix: Sequence[tuple[float, float]] | None, parts: int = MIX_PARTS
+            ) -> tuple[tuple[float, float], ...] | None:
+    """A window's prefill mix as the fit keeps it: (tokens, share) parts in token order, shares summing
+    to 1, at most `parts` of them. Past that the two neighbours whose merge moves the fewest
+    share-weighted tokens (Ward's criterion) become one part at their mean, so the window's prefill
+    tokens are kept and a decode part is never averaged with a chunk part while closer parts remain."""
+    points = sorted((float(tokens), float(share)) for tokens, share in mix or ()
+                    if math.isfinite(tokens) and tokens >= 0 and math.isfinite(share) and share > 0)
+    total = sum(share for _, share in points)
+    if not points or not total > 0:
+        return None
+    merged: list[tuple[float, float]] = []
+    for tokens, share in points:  # parts of equal tokens (buckets under the decode tokens all read 0) are one
+        if merged and merged[-1][0] == tokens:
+            merged[-1] = (tokens, merged[-1][1] + share / total)
+        else:
+            merged.append((tokens, share / total))
+    while len(merged) > max(1, parts):
+        def cost(i: int) -> float:
+            (a, wa), (b, wb) = merged[i], merged[i + 1]
+            return wa * wb / (wa + wb) * (b - a) ** 2
+        i = min(range(len(merged) - 1), key=cost)
+        (a, wa), (b, wb) = merged[i], merged[i + 1]
+        merged[i:i + 2] = [((a * wa + b * wb) / (wa + wb), wa + wb)]
+    return tuple(merged)
+
+
+def setup_key(resolved: ResolvedSetup) -> str:
+    """What a window's step time depends on besides its own load: the model's architecture, the device
+    (name, memory, peaks), the tensor parallelism and the weights' bytes per parameter. Windows of
+    another setup (a new GPU, TP or quantization) say nothing about this one's terms. Not in it: the
+    rates (what the fit finds), the KV dtype and block size (each window carries its engine's own)."""
+    setup = resolved.setup
+    architecture = {name: value for name, value in dataclasses.asdict(setup.architecture).items() if name != "source"}
+    gpu = resolved.gpu
+    identity = {"architecture": architecture, "gpu": gpu.name, "gpu_memory_bytes": setup.gpu_memory_bytes,
+                "peak_bandwidth": gpu.peak_bandwidth_bytes_per_second,
+                "peak_flops": sorted(gpu.peak_flops_per_second.items()), "tensor_parallel": setup.tensor_parallel,
+                "weight_bytes_per_param": setup.weight_bytes_per_param}
+    text = json.dumps(identity, sort_keys=True, default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
 def tokens_spread_ratio(windows: Sequence[FitWindow]) -> float:
     """(90th - 10th percentile) / median of the windows' tokens in flight."""
     tokens = sorted(window.tokens_in_flight for window in windows)
@@ -233,7 +321,8 @@ def tokens_spread_ratio(windows: Sequence[FitWindow]) -> float:
 def fit_windows(seed: model.ServingSetup, windows: Sequence[FitWindow], bounds: Bounds, *,
                 min_windows: int = DEFAULT_MIN_WINDOWS,
                 min_spread: float = MIN_TOKENS_SPREAD_RATIO) -> Fit:
-    """The step's terms that best explain `windows`, robustly, or the seed's with the reason why."""
+    """The step's terms that best explain `windows`, robustly, or the seed's with the reason why; the
+    terms the windows do not identify (`identify_terms`) stay at the seed's, and `Fit.held` says why."""
     usable = [window for window in windows if window.usable]
     if len(usable) < min_windows:
         return Fit(None, len(usable), 0, None, f"{len(usable)} windows, fewer than {min_windows}")
@@ -249,11 +338,21 @@ def fit_windows(seed: model.ServingSetup, windows: Sequence[FitWindow], bounds: 
     # A compute rate only from windows that say how their prefill split into steps: spread evenly over
     # every step, a few big chunks would read as a slow GPU.
     mixed = sum(1 for window in usable if window.prefill_mix) * 2 >= len(usable)
-    for factor in _COMPUTE_FACTORS if mixed else (1.0,):
+    factors = _COMPUTE_FACTORS if mixed else (1.0,)
+    held = identify_terms(columns)
+    if not mixed:
+        held.append(Held(COMPUTE, "no_prefill_mix",
+                         f"{sum(1 for window in usable if window.prefill_mix)} of {len(usable)} windows have a mix"))
+    elif not _reaches_compute_roof(columns, bounds, min(seed_compute * min(factors), bounds.max_compute)):
+        held.append(Held(COMPUTE, "no_compute_bound_steps", "not even at the peak bandwidth and half the seed's "
+                                                              "compute rate"))
+        factors = (1.0,)
+    held_linear = frozenset(_LINEAR.index(h.parameter) for h in held if h.parameter in _LINEAR)
+    for factor in factors:
         compute = min(max(seed_compute * factor, bounds.min_compute), bounds.max_compute)
         if factor != 1.0 and compute == seed_compute:
             continue
-        outcome = _robust_fit(columns, start, 1.0 / compute, bounds)
+        outcome = _robust_fit(columns, start, 1.0 / compute, bounds, held_linear)
         if outcome is None:
             continue
         loss, parameters, used, residual = outcome
@@ -264,12 +363,83 @@ def fit_windows(seed: model.ServingSetup, windows: Sequence[FitWindow], bounds: 
     if best is None:
         return Fit(None, len(usable), 0, None, "the windows do not determine the step's terms")
     _, parameters, used, residual = best
-    return Fit(parameters, len(usable), used, residual)
+    return Fit(parameters, len(usable), used, residual, held=tuple(held))
 
 
-def _robust_fit(columns: Sequence[_Columns], start: Parameters, inverse_compute: float, bounds: Bounds
-                ) -> tuple[float, Parameters, int, float] | None:
-    """Iteratively reweighted least squares over (1/bandwidth, overhead, per-request) at one compute rate."""
+# The linear terms' order in the fit (theta): 1 / bandwidth, overhead, per-request cost.
+_LINEAR = (BANDWIDTH, OVERHEAD, PER_REQUEST)
+
+
+def identify_terms(columns: Sequence[_Columns], min_own_spread: float = MIN_OWN_SPREAD_RATIO) -> list[Held]:
+    """The linear terms the windows cannot tell from the others, to keep at the seed.
+
+    A term is told from the others only by the part of its column that theirs do not explain: the
+    per-request cost by the running requests beyond a constant, the bandwidth by the KV bytes beyond
+    a constant and the running requests. With the context per request steady, the KV bytes follow the
+    running requests and any split between bandwidth and per-request cost fits alike (the seed's, or
+    noise, decides it, and a long context is then predicted with a bandwidth no window measured); with
+    a steady running count the per-request cost is the overhead's. The bandwidth is held before the
+    per-request cost where both fail (the seed's bandwidth comes from a datasheet or `calibrate`; the
+    per-request cost then takes what the running requests' spread identifies). The overhead is
+    identified once these are."""
+    weights = [1.0 / column.seconds ** 2 for column in columns]
+    running = [column.running for column in columns]
+    kv_bytes = [sum(phase.share * phase.kv_bytes for phase in column.phases) for column in columns]
+    held: list[Held] = []
+    running_spread = _own_spread(running, [], weights)
+    if running_spread < min_own_spread:
+        held.append(Held(PER_REQUEST, "running_requests_steady",
+                         f"running requests spread {running_spread:.0%}, less than {min_own_spread:.0%}"))
+        kv_spread = _own_spread(kv_bytes, [], weights)
+        if kv_spread < min_own_spread:
+            held.append(Held(BANDWIDTH, "tokens_steady",
+                             f"KV bytes spread {kv_spread:.0%} at a steady running count, less than "
+                             f"{min_own_spread:.0%}"))
+        return held
+    kv_spread = _own_spread(kv_bytes, [running], weights)
+    if kv_spread < min_own_spread:
+        held.append(Held(BANDWIDTH, "tokens_follow_running_requests",
+                         f"KV bytes spread {kv_spread:.0%} beyond what running requests explain, less than "
+                         f"{min_own_spread:.0%}"))
+    return held
+
+
+def _own_spread(column: Sequence[float], others: Sequence[Sequence[float]], weights: Sequence[float]) -> float:
+    """(90th - 10th percentile) / median of what is left of `column` after a weighted least-squares fit
+    on a constant and `others`: the column's own spread, the only part that can identify its term."""
+    regressors = [[1.0] * len(column), *others]
+    size = len(regressors)
+    gram = [[sum(w * a * b for w, a, b in zip(weights, regressors[i], regressors[j], strict=True))
+             for j in range(size)] for i in range(size)]
+    moments = [sum(w * a * y for w, a, y in zip(weights, regressors[i], column, strict=True)) for i in range(size)]
+    for i in range(size):
+        gram[i][i] += 1e-12 * gram[i][i] + 1e-300  # a regressor constant too is no error: nothing of it to use
+    try:
+        coefficients = model.solve_linear(gram, moments)
+    except InputError:
+        return 0.0
+    residuals = sorted(y - sum(c * regressors[i][k] for i, c in enumerate(coefficients))
+                       for k, y in enumerate(column))
+    median = statistics.median(column)
+    if len(residuals) < 2 or not median > 0:
+        return 0.0
+    deciles = statistics.quantiles(residuals, n=10, method="inclusive")
+    return (deciles[-1] - deciles[0]) / median
+
+
+def _reaches_compute_roof(columns: Sequence[_Columns], bounds: Bounds, lowest_compute: float) -> bool:
+    """Whether any window has a phase that is compute-bound at the peak bandwidth and `lowest_compute`:
+    if none, no compute rate tried changes any prediction."""
+    inverse_bandwidth, inverse_compute = 1.0 / bounds.max_bandwidth, 1.0 / lowest_compute
+    return any(phase.gemm_flops * inverse_compute > phase.weight_bytes * inverse_bandwidth
+               or phase.attention_flops * inverse_compute > phase.kv_bytes * inverse_bandwidth
+               for column in columns for phase in column.phases)
+
+
+def _robust_fit(columns: Sequence[_Columns], start: Parameters, inverse_compute: float, bounds: Bounds,
+                held: frozenset[int] = frozenset()) -> tuple[float, Parameters, int, float] | None:
+    """Iteratively reweighted least squares over (1/bandwidth, overhead, per-request) at one compute
+    rate; the terms in `held` (indices into _LINEAR) stay at the seed's."""
     theta = [1.0 / min(max(start.bandwidth_bytes_per_second, bounds.min_bandwidth), bounds.max_bandwidth),
              min(start.step_overhead_seconds, bounds.max_overhead),
              min(start.per_request_seconds, bounds.max_per_request)]
@@ -295,7 +465,7 @@ def _robust_fit(columns: Sequence[_Columns], start: Parameters, inverse_compute:
             rows.append((memory_bytes, 1.0, column.running))
             targets.append(column.seconds - fixed)
         solved = _bounded_ridge(rows, targets, [w / c.seconds ** 2 for w, c in zip(weights, columns, strict=True)],
-                                prior, lower, upper)
+                                prior, lower, upper, held)
         if solved is None:
             return None
         theta = solved
@@ -319,10 +489,17 @@ def _huber(x: float) -> float:
 
 
 def _bounded_ridge(rows: Sequence[tuple[float, float, float]], targets: Sequence[float], weights: Sequence[float],
-                   prior: list[float], lower: list[float], upper: list[float]) -> list[float] | None:
+                   prior: list[float], lower: list[float], upper: list[float], held: frozenset[int] = frozenset()
+                   ) -> list[float] | None:
     """Weighted least squares pulled toward `prior` by a small ridge, each coefficient held inside its
-    bounds: one that leaves them is fixed at the bound and the rest are solved again."""
-    fixed: dict[int, float] = {}
+    bounds: one that leaves them is fixed at the bound and the rest are solved again. The coefficients
+    in `held` are the prior's (clamped to their bounds).
+
+    The ridge in each direction is _RIDGE of the data's own curvature there: of what the windows say
+    about that coefficient beyond what the others explain (1 / the diagonal of the inverse normal
+    matrix), not of its raw sum of squares. A bandwidth column is mostly the weights' constant bytes,
+    so a ridge on its raw sum pulled a bandwidth the windows did identify 10-20% toward the seed."""
+    fixed: dict[int, float] = {j: min(max(prior[j], lower[j]), upper[j]) for j in held}
     for _ in range(4):
         free = [j for j in range(3) if j not in fixed]
         if not free:
@@ -338,8 +515,10 @@ def _bounded_ridge(rows: Sequence[tuple[float, float, float]], targets: Sequence
                 for b, k in enumerate(free):
                     gram[a][b] += weight * row[j] * row[k]
         scale = [math.sqrt(gram[a][a]) or 1.0 for a in range(len(free))]
+        own = _own_curvature([[gram[a][b] / (scale[a] * scale[b]) for b in range(len(free))]
+                              for a in range(len(free))])
         for a, j in enumerate(free):
-            ridge = _RIDGE * gram[a][a] if gram[a][a] > 0 else 1.0 / (prior[j] or 1.0) ** 2
+            ridge = _RIDGE * own[a] * gram[a][a] if gram[a][a] > 0 else 1.0 / (prior[j] or 1.0) ** 2
             gram[a][a] += ridge
             moments[a] += ridge * prior[j]
         scaled = [[gram[a][b] / (scale[a] * scale[b]) for b in range(len(free))] for a in range(len(free))]
@@ -358,17 +537,47 @@ def _bounded_ridge(rows: Sequence[tuple[float, float, float]], targets: Sequence
     return [fixed.get(j, min(max(prior[j], lower[j]), upper[j])) for j in range(3)]
 
 
+_MIN_OWN_CURVATURE = 1e-6  # a direction the windows all but leave open still gets a ridge, for the solve
+
+
+def _own_curvature(normalized: list[list[float]]) -> list[float]:
+    """For a normal matrix with unit diagonal, each coefficient's curvature beyond the others' (the
+    share of its column the other columns leave unexplained: 1 / the inverse's diagonal), 0-1."""
+    size = len(normalized)
+    own = []
+    for a in range(size):
+        try:
+            unit = [1.0 if b == a else 0.0 for b in range(size)]
+            column = model.solve_linear([list(row) for row in normalized], unit)
+        except InputError:
+            own.append(_MIN_OWN_CURVATURE)
+            continue
+        inverse = column[a]
+        own.append(min(1.0, max(_MIN_OWN_CURVATURE, 1.0 / inverse)) if inverse > 0 and math.isfinite(inverse)
+                   else _MIN_OWN_CURVATURE)
+    return own
+
+
 # --- the wiring -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class InUse:
-    """What a deployment predicts with now: the setup, where its rates came from, and the online fit."""
+    """What a deployment predicts with now: the setup, where its rates came from, and the online fit.
+    A term in `held` is the seed's (source `seed_source`), the windows did not identify it."""
 
     setup: model.ServingSetup
     source: str
     fit_windows: int = 0
     fit_residual_ratio: float | None = None
+    held: tuple[Held, ...] = ()
+    seed_source: str = ""
+
+    def source_of(self, parameter: str) -> str:
+        """Where one term (a Parameters field) came from: the seed's source where the fit held it."""
+        if self.seed_source and any(held.parameter == parameter for held in self.held):
+            return self.seed_source
+        return self.source
 
 
 class SetupInUse:
@@ -398,7 +607,7 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
             continue  # down, no window yet, or a server-wide series (no tokens of its own)
         window = FitWindow(reading.last_success_timestamp_seconds or now_seconds, reading.tokens_in_flight,
                            reading.requests_running, reading.prefill_tokens_per_step or 0.0,
-                           reading.measured_step_seconds, reading.prefill_mix, reading.kv_cache_dtype,
+                           reading.measured_step_seconds, fit_mix(reading.prefill_mix), reading.kv_cache_dtype,
                            reading.block_size_tokens)
         if window.usable:
             found.setdefault(reading.deployment, []).append((reading.identity, window))
@@ -472,6 +681,8 @@ class DeploymentCalibration:
         self.fit: Fit | None = None
         self.in_use = Parameters.of(self.seed)
         self.source = self.seed_source
+        self.held: tuple[Held, ...] = ()
+        self.setup_key = setup_key(deployment.resolved)
 
     def add(self, identity: tuple[str, ...], window: FitWindow) -> None:
         if self._seen.get(identity) == window.end_seconds:
@@ -516,7 +727,11 @@ class DeploymentCalibration:
                      residual_ratio=round(fit.residual_ratio or 0.0, 4),
                      **{f"{name}_old": before for name, (before, _) in moved.items()},
                      **{f"{name}_new": after for name, (_, after) in moved.items()})
-        self.in_use, self.source = new, ONLINE_SOURCE
+        if [(h.parameter, h.reason) for h in fit.held] != [(h.parameter, h.reason) for h in self.held]:
+            log.info("online_calibration_held", deployment=self.deployment.name,
+                     held={h.parameter: f"{h.reason}: {h.detail}" for h in fit.held},
+                     fitted=[name for name in new.as_dict() if all(h.parameter != name for h in fit.held)])
+        self.in_use, self.source, self.held = new, ONLINE_SOURCE, fit.held
         return fit
 
     def publish(self) -> None:
@@ -524,7 +739,8 @@ class DeploymentCalibration:
         self.deployment.setup_in_use.set(InUse(
             self.in_use.applied_to(self.seed), self.source,
             fit.windows_used if fit is not None and fit.parameters is not None else 0,
-            fit.residual_ratio if fit is not None and fit.parameters is not None else None))
+            fit.residual_ratio if fit is not None and fit.parameters is not None else None,
+            self.held, self.seed_source))
 
 
 class OnlineCalibrator:

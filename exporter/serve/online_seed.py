@@ -1,6 +1,13 @@
 """Keep the online fit across restarts without new state: read the daemon's own exported series back
 from Prometheus (`/api/v1/query_range` over `history`) and turn them into fit windows.
 
+A window is rebuilt with what the live fit had: tokens in flight, running requests, prefill per step,
+the measured step, the window's prefill mix (stepbudget_prefill_mix_tokens / _share_ratio) and the
+KV dtype and block size its engine ran with (stepbudget_window_setup_info). Only the windows whose
+`setup` is the deployment's now are kept: after a change of GPU, tensor parallelism or quantization
+the old setup's windows say nothing about the new one's terms, and a window of no known setup (a
+daemon before this export) cannot be told apart, so it is left out too.
+
 Every call has a timeout and a failing Prometheus never stops start-up: seeding runs on its own thread
 and a failure is one warning; the fit then starts from the live windows alone.
 """
@@ -15,6 +22,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import structlog
@@ -23,7 +31,8 @@ from exporter.capacity.deployment import ResolvedSetup
 from exporter.capacity.model import Calibration
 from exporter.errors import InputError
 from exporter.serve import online_calibration
-from exporter.serve.online_calibration import FitWindow
+from exporter.serve.collector import MIX_SHARE_METRIC, MIX_TOKENS_METRIC, WINDOW_SETUP_METRIC
+from exporter.serve.online_calibration import FitWindow, fit_mix
 from exporter.units import parse_duration_seconds
 
 if TYPE_CHECKING:
@@ -40,10 +49,26 @@ SERIES = {
     "running": "stepbudget_requests_running",
     "prefill": "stepbudget_prefill_tokens_per_step",
     "step": "stepbudget_measured_step_seconds",
+    "mix_tokens": MIX_TOKENS_METRIC,
+    "mix_share": MIX_SHARE_METRIC,
+    "setup": WINDOW_SETUP_METRIC + "_info",
 }
 _IDENTITY_LABELS = ("target", "model_name", "engine")
+# Labels that belong to one family's sample, not to the engine and daemon it came from.
+_OWN_LABELS = frozenset({"__name__", "part", "setup", "kv_cache_dtype", "block_size"})
+_MIX_SHARE_TOLERANCE = 0.01
 
 Identity = tuple[str, ...]
+SeriesKey = tuple[tuple[str, str], ...]  # every label but _OWN_LABELS: one engine as one daemon exported it
+
+
+@dataclass(frozen=True)
+class History:
+    """The windows read back, and those left out for their setup."""
+
+    windows: list[tuple[Identity, FitWindow]]
+    other_setup: int = 0  # windows of another setup (`setup` label not this deployment's)
+    unknown_setup: int = 0  # windows with no stepbudget_window_setup_info (or two at once)
 
 
 class PrometheusError(Exception):
@@ -83,40 +108,80 @@ def query_range(url: str, query: str, start: float, end: float, step: float,
     return found
 
 
-def windows_from_prometheus(url: str, deployment: str, start: float, end: float, *,
+def windows_from_prometheus(url: str, deployment: str, start: float, end: float, *, setup: str,
                             step_seconds: float = DEFAULT_STEP_SECONDS,
-                            timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> list[tuple[Identity, FitWindow]]:
-    """The deployment's windows between `start` and `end`, one per engine and sample time where the
-    tokens in flight, running requests and measured step all have a value (prefill: 0 when absent).
+                            timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> History:
+    """The deployment's windows of setup `setup` (online_calibration.setup_key) between `start` and
+    `end`, one per engine and sample time where the tokens in flight, running requests and measured
+    step all have a value (prefill: 0 when absent; the mix where its parts are all there).
 
-    A range query repeats a sample at every step until the next one arrives: a window equal to the
-    engine's previous one is that repeat, and left out."""
+    The series are joined on every label but the families' own (instance and job included): two
+    daemons exporting one engine (a rolling restart) are two sources, never mixed. A range query
+    repeats a sample at every step until the next one arrives: a window equal to the engine's
+    previous one is that repeat, and left out."""
     if not end > start:
-        return []
+        return History([])
     step = max(step_seconds, (end - start) / MAX_POINTS_PER_SERIES)
-    values: dict[str, dict[tuple[Identity, float], float]] = {}
+    values: dict[str, dict[tuple[SeriesKey, float], float]] = {}
+    parts: dict[str, dict[tuple[SeriesKey, float], dict[int, float]]] = {"mix_tokens": {}, "mix_share": {}}
+    setups: dict[tuple[SeriesKey, float], list[dict[str, str]]] = {}
+    identities: dict[SeriesKey, Identity] = {}
     for name, metric in SERIES.items():
         query = f'{metric}{{deployment="{_escape(deployment)}"}}'
         values[name] = {}
         for labels, samples in query_range(url, query, start, end, step, timeout_seconds):
-            identity = tuple(labels.get(label, "") for label in _IDENTITY_LABELS)
+            key = tuple(sorted((label, value) for label, value in labels.items() if label not in _OWN_LABELS))
+            identities.setdefault(key, tuple(labels.get(label, "") for label in _IDENTITY_LABELS))
             for moment, value in samples:
-                values[name][(identity, moment)] = value
-    windows: list[tuple[Identity, FitWindow]] = []
-    last: dict[Identity, tuple[float, float, float]] = {}
-    for key in sorted(values["step"], key=lambda k: (k[1], k[0])):
-        identity, moment = key
-        tokens, running = values["tokens"].get(key), values["running"].get(key)
+                if name in parts:
+                    part = _part(labels.get("part"))
+                    if part is not None:
+                        parts[name].setdefault((key, moment), {})[part] = value
+                elif name == "setup":
+                    setups.setdefault((key, moment), []).append(labels)
+                else:
+                    values[name][(key, moment)] = value
+    history = History([])
+    last: dict[SeriesKey, tuple[float, float, float]] = {}
+    for key, moment in sorted(values["step"], key=lambda k: (k[1], k[0])):
+        tokens, running = values["tokens"].get((key, moment)), values["running"].get((key, moment))
         if tokens is None or running is None:
             continue
-        measured = values["step"][key]
-        if last.get(identity) == (tokens, running, measured):
+        measured = values["step"][(key, moment)]
+        if last.get(key) == (tokens, running, measured):
             continue
-        last[identity] = (tokens, running, measured)
-        window = FitWindow(moment, tokens, running, values["prefill"].get(key, 0.0), measured)
-        if window.usable:
-            windows.append((identity, window))
-    return windows
+        last[key] = (tokens, running, measured)
+        window = FitWindow(moment, tokens, running, values["prefill"].get((key, moment), 0.0), measured)
+        if not window.usable:
+            continue
+        found = setups.get((key, moment), [])
+        if len(found) != 1:
+            history = replace(history, unknown_setup=history.unknown_setup + 1)
+            continue
+        if found[0].get("setup") != setup:
+            history = replace(history, other_setup=history.other_setup + 1)
+            continue
+        block = found[0].get("block_size", "")
+        window = replace(window, prefill_mix=_mix(parts["mix_tokens"].get((key, moment)),
+                                                  parts["mix_share"].get((key, moment))),
+                         kv_cache_dtype=found[0].get("kv_cache_dtype") or None,
+                         block_size_tokens=int(block) if block.isdigit() and int(block) > 0 else None)
+        history.windows.append((identities[key], window))
+    return history
+
+
+def _part(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _mix(tokens: dict[int, float] | None, shares: dict[int, float] | None) -> tuple[tuple[float, float], ...] | None:
+    """A window's prefill mix from its parts' two gauges: None unless every part has both and the
+    shares sum to 1 (a part missing or torn between scrapes is no mix; the window is fitted at its mean)."""
+    if not tokens or not shares or tokens.keys() != shares.keys():
+        return None
+    if abs(sum(shares.values()) - 1.0) > _MIX_SHARE_TOLERANCE:
+        return None
+    return fit_mix([(tokens[part], shares[part]) for part in sorted(tokens)])
 
 
 def seed_deployment(calibrator: OnlineCalibrator, name: str, *, now_seconds: float | None = None,
@@ -128,16 +193,18 @@ def seed_deployment(calibrator: OnlineCalibrator, name: str, *, now_seconds: flo
     now = time.time() if now_seconds is None else now_seconds
     url = calibration.settings.prometheus_url
     try:
-        windows = windows_from_prometheus(url, name, now - calibration.settings.history_seconds, now,
-                                          timeout_seconds=timeout_seconds)
-        calibrator.seed_windows(name, windows, now)
+        history = windows_from_prometheus(url, name, now - calibration.settings.history_seconds, now,
+                                          setup=calibration.setup_key, timeout_seconds=timeout_seconds)
+        calibrator.seed_windows(name, history.windows, now)
     except Exception as error:
         log.warning("online_calibration_seed_failed", deployment=name, prometheus_url=url, reason=str(error)[:300])
         return 0
     fit = calibration.fit
-    log.info("online_calibration_seeded", deployment=name, prometheus_url=url, windows=len(windows),
+    log.info("online_calibration_seeded", deployment=name, prometheus_url=url, windows=len(history.windows),
+             setup=calibration.setup_key, other_setup_windows=history.other_setup,
+             unknown_setup_windows=history.unknown_setup,
              fit=fit.reason if fit is not None and fit.parameters is None else calibration.source)
-    return len(windows)
+    return len(history.windows)
 
 
 def start_seeding(calibrator: OnlineCalibrator) -> list[threading.Thread]:
@@ -160,10 +227,15 @@ def calibration_from_history(args: argparse.Namespace, resolved: ResolvedSetup) 
     since = parse_duration_seconds(args.since, "--since")
     now = time.time()
     try:
-        pairs = windows_from_prometheus(args.prometheus, args.deployment, now - since, now)
+        history = windows_from_prometheus(args.prometheus, args.deployment, now - since, now,
+                                          setup=online_calibration.setup_key(resolved))
     except PrometheusError as error:
         raise OSError(str(error)) from None
-    windows = [window for _, window in pairs]
+    windows = [window for _, window in history.windows]
+    if not windows and (history.other_setup or history.unknown_setup):
+        raise InputError(f"no window of this setup in {args.prometheus} for deployment {args.deployment!r} over "
+                         f"the last {args.since}: {history.other_setup} of another setup (model, GPU, tensor "
+                         f"parallelism or weight dtype), {history.unknown_setup} of no known setup")
     bounds = online_calibration.Bounds.of_setup(resolved)
     fit = online_calibration.fit_windows(resolved.setup, windows, bounds, min_windows=1)
     where = f"of deployment {args.deployment!r} in {args.prometheus} over the last {args.since}"
