@@ -192,6 +192,14 @@ def parameter_views(samples: Iterable[Sample]) -> dict[str, ParametersView]:
     return found
 
 
+def si_rate(value: float, unit: str) -> str:
+    """`2.00 TB/s` for a GPU, `12.30 GB/s` for a CPU host: one scale would print a CPU's as 0.01 TB/s."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
 def parameters_line(view: ParametersView | None) -> str:
     if view is None or not view.values:
         return "  parameters        -"
@@ -200,10 +208,10 @@ def parameters_line(view: ParametersView | None) -> str:
            f"{values.get('online_fit_residual_ratio', 0):.1%})" if view.source == "online" else
            " (the seed: the online fit has too few windows yet)")
     return (f"  parameters        source {view.source}{fit}: bandwidth "
-            f"{values.get('effective_bandwidth_bytes_per_second', 0) / 1e12:.2f} TB/s, overhead "
+            f"{si_rate(values.get('effective_bandwidth_bytes_per_second', 0), 'B/s')}, overhead "
             f"{values.get('step_overhead_seconds', 0) * 1e3:.2f} ms, per request "
             f"{values.get('per_request_seconds', 0) * 1e6:.0f} us, compute "
-            f"{values.get('effective_compute_flops_per_second', 0) / 1e12:.0f} TFLOP/s")
+            f"{si_rate(values.get('effective_compute_flops_per_second', 0), 'FLOP/s')}")
 
 
 # Run as `python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: on Linux, ask the kernel for SIGTERM
@@ -444,7 +452,7 @@ def _run(args: argparse.Namespace, duration: float | None, poll_seconds: float, 
     bandwidth = _number(document["effective_bandwidth_bytes_per_second"])
     efficiency = _number(document["bandwidth_efficiency"])
     overhead = _number(document["step_overhead_seconds"])
-    print(f"   effective bandwidth {bandwidth / 1e12:.2f} TB/s "
+    print(f"   effective bandwidth {si_rate(bandwidth, 'B/s')} "
           f"({efficiency:.0%} of peak), per-step overhead "
           f"{overhead * 1e3:.2f} ms", flush=True)
     if stop.is_set():

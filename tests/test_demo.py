@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.demo import free_port_from
+from exporter.demo import free_port_from, si_rate
 from exporter.simulator import AGENTS_JOIN_SECONDS
 from tests.support.servers import free_port
 
@@ -155,3 +155,11 @@ def test_killing_the_demo_takes_its_daemon_with_it() -> None:
         assert _port_is_free(port)
     finally:
         _stop_leftovers(demo, children)
+
+
+def test_rates_are_shown_at_the_scale_of_the_device() -> None:
+    """A CPU host's 12.3 GB/s and 9.14e10 FLOP/s read as such, not as 0.01 TB/s and 0 TFLOP/s."""
+    assert si_rate(3.35e12, "B/s") == "3.35 TB/s"
+    assert si_rate(12.3e9, "B/s") == "12.30 GB/s"
+    assert si_rate(9.14e10, "FLOP/s") == "91.40 GFLOP/s"
+    assert si_rate(0.0, "B/s") == "0 B/s"
