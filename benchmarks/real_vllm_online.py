@@ -29,12 +29,19 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.scale import free_port  # after sys.path
+from exporter.capacity import model  # after sys.path
 from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_ready  # after sys.path
 from exporter.real_vllm.demo import HOST  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
 from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, start  # after sys.path
-from exporter.serve.config import config_from_mapping  # after sys.path
-from exporter.serve.online_calibration import Bounds, FitWindow, fit_windows, fitted_step_seconds  # after sys.path
+from exporter.serve.config import Deployment, config_from_mapping  # after sys.path
+from exporter.serve.online_calibration import (  # after sys.path
+    Bounds,
+    FitWindow,
+    fit_windows,
+    fitted_step_seconds,
+    window_setup,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 POLL_SECONDS = 3.0
@@ -134,14 +141,20 @@ def _fit_window(poll: dict[str, object]) -> FitWindow | None:
     return window if window.usable else None
 
 
-def refits(polls: list[dict[str, object]]) -> str:
-    """Offline refits of the run's windows with the daemon's own fit: on every window before the
-    evaluated phase (what the fit could know), and on every window of the run, the evaluated phase
-    included (the best this model's form can do on this host). Each evaluated on the last phase."""
+def _deployment() -> Deployment:
+    """The benchmark daemon's deployment, resolved as its config resolves (no target is polled)."""
     config = config_from_mapping({"deployments": [{
         "name": "tiny", "model": str(MODEL_CONFIG), "gpu": HOST, "weight_dtype": "float32",
         "targets": {"static": ["http://127.0.0.1:1/metrics"]}}]})
     (deployment,) = config.deployments
+    return deployment
+
+
+def refits(polls: list[dict[str, object]]) -> str:
+    """Offline refits of the run's windows with the daemon's own fit: on every window before the
+    evaluated phase (what the fit could know), and on every window of the run, the evaluated phase
+    included (the best this model's form can do on this host). Each evaluated on the last phase."""
+    deployment = _deployment()
     seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
     last = PHASES[-1][0]
     windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
@@ -163,6 +176,39 @@ def refits(polls: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _two_rate_step_seconds(setup: model.ServingSetup, window: FitWindow, rates: tuple[float, float, float, float]
+                           ) -> float:
+    """The model's step with the weights and the KV cache each read at a rate of its own."""
+    weight_rate, kv_rate, overhead, compute = rates
+    step = model.predict_step(setup, model.groups_from_total(window.tokens_in_flight, window.running),
+                              window.prefill_tokens_per_step)
+    flops = setup.effective_compute_flops_per_second
+    return (overhead + max(step.weight_read_bytes / weight_rate, step.gemm_compute_seconds * flops / compute)
+            + max(step.kv_read_bytes / kv_rate, step.attention_compute_seconds * flops / compute))
+
+
+def two_rate_refit(polls: list[dict[str, object]]) -> str:
+    """Whether a KV read rate of its own would let the earlier phases predict the last: the rates
+    (and overhead and compute) that best fit the windows before it, by a grid, evaluated on it."""
+    deployment = _deployment()
+    last = PHASES[-1][0]
+    windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
+    setups = [(is_last, window_setup(deployment.resolved.setup, w), w) for is_last, w in windows]
+
+    def median_error(rates: tuple[float, float, float, float], evaluated: bool) -> float:
+        return statistics.median(abs(_two_rate_step_seconds(setup, w, rates) / w.measured_step_seconds - 1)
+                                 for is_last, setup, w in setups if is_last == evaluated)
+
+    grid = [(weight * 1e9, kv * 1e9, overhead * 1e-3, compute * 1e10)
+            for weight in (8, 9, 10, 11, 12, 14, 16, 20) for kv in (6, 7, 8, 8.5, 9, 9.5, 10, 11, 12)
+            for overhead in (0, 1, 2, 3, 4, 6, 8) for compute in (3, 3.5, 4, 4.57, 5, 6)]
+    best = min(grid, key=lambda rates: median_error(rates, False))
+    return (f"two rates, the best of a grid on the windows before the last phase: weights {best[0] / 1e9:g} GB/s, "
+            f"KV {best[1] / 1e9:g} GB/s, overhead {best[2] * 1e3:g} ms, compute {best[3] / 1e9:g} GFLOP/s: "
+            f"median |error| {median_error(best, False):.1%} on those windows, {median_error(best, True):.1%} "
+            "over the last phase")
+
+
 def main() -> int:
     if sys.argv[1:] != ["--refit"]:
         with tempfile.TemporaryDirectory(prefix="stepbudget-real-vllm-online-") as workdir:
@@ -174,6 +220,8 @@ def main() -> int:
     print(table(polls))
     print()
     print(refits(polls))
+    print()
+    print(two_rate_refit(polls))
     return 0
 
 
