@@ -12,6 +12,7 @@ last good values only until `stale_after`.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import heapq
 import itertools
@@ -49,6 +50,16 @@ log = structlog.get_logger("stepbudget.poller")
 
 CHUNK_BYTES = 65536
 MAX_FETCH_WORKERS = 32
+# A poll starts this many fetch workers and adds more only where waiting, not CPU, is what holds it
+# up: a fetch running past SLOW_FETCH_SECONDS (a slow or dead target) gets a worker to cover for it,
+# and a pace that would make the poll last over POLL_BUDGET_SHARE of the interval (high-latency
+# targets) doubles them, up to MAX_FETCH_WORKERS. Why not 32 from the start: reading pages is CPU
+# work under one interpreter lock, and 32 threads contending for it cost ~0.08 ms more CPU per
+# target-poll than 2 to 8 (benchmarks/results/scale.md).
+FAST_FETCH_WORKERS = 4
+SLOW_FETCH_SECONDS = 0.25
+POLL_BUDGET_SHARE = 0.25
+WORKER_CHECK_SECONDS = 0.05
 MAX_CACHED_REQUESTS = 100_000
 MAX_REDIRECTS = 5
 
@@ -459,6 +470,7 @@ class PollResult:
 
 
 PollListener = Callable[[PollResult], None]
+_CRASHED: list[Reading] = []  # (this very object) a target whose poll raised: logged, no readings
 ReadPage = Callable[[str, str], PageReading]  # (page text, server kind) -> what the page says
 ComputeWindow = Callable[[Snapshot | None, Snapshot], Window]  # (previous, current) -> the window
 
@@ -488,6 +500,7 @@ class Poller:
         self._listeners: list[PollListener] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
                                                                thread_name_prefix="stepbudget-fetch")
+        self._stopping = False
         self._scheduler: BackgroundScheduler | None = None
 
     # --- what others read -----------------------------------------------------------------------
@@ -521,25 +534,15 @@ class Poller:
         for target in found:
             counts[target.deployment] += 1
         tokens = self._bearer_tokens(targets)
-        futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
-        for target in targets:
-            try:
-                futures[target.key] = self._executor.submit(self._poll_target, target, tokens[target.deployment])
-            except RuntimeError:  # stop() shut the pool down while this cycle was still submitting
-                break
+        polled = self._poll_targets(targets, tokens)
         readings: list[Reading] = [reading for answer in answers for reading in self._source_readings(answer)]
         abandoned = 0
         for target in targets:
-            future = futures.get(target.key)
-            if future is None:
-                abandoned += 1
-                continue
-            try:
-                readings.extend(future.result())
-            except concurrent.futures.CancelledError:
-                abandoned += 1  # stop() cancelled the queued fetches: the daemon is shutting down
-            except Exception:
-                log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+            outcome = polled.get(target.key)
+            if outcome is None:
+                abandoned += 1  # stop() came first: the daemon is shutting down
+            elif outcome is not _CRASHED:
+                readings.extend(outcome)
         if abandoned:
             # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
             log.info("poll_cycle_abandoned", reason="stopping", targets_not_polled=abandoned)
@@ -553,6 +556,62 @@ class Poller:
             except Exception:
                 log.exception("poll_listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
         return result
+
+    def _poll_targets(self, targets: Sequence[Target],
+                      tokens: dict[str, str | Exception | None]) -> dict[tuple[str, str], list[Reading]]:
+        """Every target's readings (_CRASHED for a bug, logged), from workers that take targets off one
+        queue; a target missing from the answer was never polled (stop() came first)."""
+        queue = collections.deque(targets)
+        polled: dict[tuple[str, str], list[Reading]] = {}
+        fetching: dict[int, float] = {}  # worker -> when its current target started (real time: scheduling)
+
+        def work(worker: int) -> None:
+            while not self._stopping:
+                try:
+                    target = queue.popleft()
+                except IndexError:
+                    return
+                fetching[worker] = time.monotonic()
+                try:
+                    polled[target.key] = self._poll_target(target, tokens[target.deployment])
+                except Exception:
+                    log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+                    polled[target.key] = _CRASHED
+                finally:
+                    del fetching[worker]
+
+        workers: list[concurrent.futures.Future[None]] = []
+
+        def add(count: int) -> None:
+            for _ in range(min(count, MAX_FETCH_WORKERS - len(workers), len(queue))):
+                try:
+                    workers.append(self._executor.submit(work, len(workers)))
+                except RuntimeError:  # stop() shut the pool down
+                    return
+
+        started = grown = time.monotonic()
+        cpu_started = time.process_time()  # the whole process's CPU, every thread
+        budget_seconds = POLL_BUDGET_SHARE * self.config.poll_interval_seconds
+        covered: set[tuple[int, float]] = set()  # slow fetches already given a worker to cover for them
+        add(FAST_FETCH_WORKERS)
+        while queue and not self._stopping:
+            _, pending = concurrent.futures.wait(workers, timeout=WORKER_CHECK_SECONDS)
+            if not pending:
+                break
+            now = time.monotonic()
+            slow = {(worker, since) for worker, since in list(fetching.items()) if now - since > SLOW_FETCH_SECONDS}
+            new = slow - covered
+            covered |= new
+            add(len(new))
+            done, elapsed = len(polled), now - started
+            # Late at this pace, and waiting rather than computing (more threads cannot speed up a
+            # process that already keeps its one interpreter busy): double, then judge the new pace.
+            if (done and elapsed * len(targets) / done > budget_seconds and now - grown > SLOW_FETCH_SECONDS
+                    and time.process_time() - cpu_started < 0.8 * elapsed):
+                add(len(workers))
+                grown = now
+        concurrent.futures.wait(workers)
+        return polled
 
     def _read_sources(self) -> list[SourceAnswer]:
         """Every source's answer, read concurrently; a source never raises (its failures are its
@@ -739,6 +798,7 @@ class Poller:
         self._scheduler = scheduler
 
     def stop(self) -> None:
+        self._stopping = True  # fetch workers finish the target in hand and take no other
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
