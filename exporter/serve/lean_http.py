@@ -42,7 +42,8 @@ class LeanPool:
 
     def __init__(self, host: str, port: int | None, timeout_seconds: float,
                  track: Callable[[socket.socket], None]) -> None:
-        self._address = (host, port or 80)
+        # urllib3's parse_url keeps an IPv6 literal's brackets: the socket wants the bare address.
+        self._address = (host.strip("[]"), port or 80)
         # RFC 9112 section 3.2: Host is the authority, the port left out when it is the default.
         host_text = f"[{host}]" if ":" in host and not host.startswith("[") else host
         self.host_header = host_text if port in (None, 80) else f"{host_text}:{port}"
