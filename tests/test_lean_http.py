@@ -210,3 +210,28 @@ def test_a_body_left_half_read_never_starts_the_next_answer(server: PageServer) 
         fetcher.close()
     first, second = server.requests
     assert first["client_port"] != second["client_port"]
+
+
+def test_a_socket_connected_after_the_deadline_is_shut_at_once(server: PageServer) -> None:
+    """The watchdog shuts a fetch's sockets at its deadline; one the fetch connects after that (a
+    redirect's next hop) is shut as it is handed over, not left to its own socket timeout."""
+    from exporter.serve import poller
+
+    armed = poller._WATCHDOG.arm(0.01)
+    for _ in range(500):  # the watchdog's own thread fires it; wait for that, 5 s at most
+        if armed.fired:
+            break
+        time.sleep(0.01)
+    assert armed.fired
+    host, port = server.url.split("/")[2].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    poller._fetch_sockets.armed = armed
+    try:
+        poller._track(sock)
+        started = time.monotonic()
+        assert sock.recv(10) == b""  # shut: the end at once, not a 5 s wait for a server that says nothing
+        assert time.monotonic() - started < 1
+    finally:
+        poller._fetch_sockets.armed = None
+        poller._WATCHDOG.disarm(armed)
+        sock.close()
