@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,24 @@ def test_values_as_prometheus_writes_them(token: str, expected: float) -> None:
 @pytest.mark.parametrize("token", ["1_000", "infinity", "0x10", "abc", ""])
 def test_values_python_accepts_but_prometheus_does_not_write(token: str) -> None:
     assert parse_value(token) is None
+
+
+# The value grammar of the text format (exposition_formats.md: Go's ParseFloat spellings that
+# Prometheus writes), as a regular expression: parse_value must take exactly these tokens.
+GRAMMAR = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[Ii]nf|NaN|nan)")
+TOKEN_PARTS = st.sampled_from(["0", "1", "9", ".", "e", "E", "+", "-", "_", " ", "\t", "\r", "Inf", "inf", "NaN",
+                               "nan", "INF", "infinity", "x", "\u0661", "\uff11", "1e999", "0x1", "j"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(TOKEN_PARTS, max_size=6).map("".join))
+def test_values_are_exactly_the_grammars(token: str) -> None:
+    expected = float(token) if GRAMMAR.fullmatch(token) else None
+    value = parse_value(token)
+    if expected is None or value is None:
+        assert value is expected, token
+    else:
+        assert value == expected or (math.isnan(value) and math.isnan(expected)), token
 
 
 def test_malformed_lines_are_skipped_and_counted() -> None:

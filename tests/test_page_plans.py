@@ -17,8 +17,7 @@ from exporter.serve import engines
 from exporter.serve.engines import PageError, PageReading, exposition, read_page, wanted_names
 
 DATA = Path(__file__).parent / "data"
-PAGES = sorted([*DATA.glob("vllm/*.txt"), *DATA.glob("sglang/*.txt"), *DATA.glob("tgi/*.txt"),
-                *DATA.glob("genuine/*.prom")])
+PAGES = sorted([*DATA.rglob("*.txt"), *DATA.rglob("*.prom")])  # every stored page
 SINGLE = (DATA / "vllm" / "vllm_v1_RECONSTRUCTED_single_process.txt").read_text()
 
 
@@ -93,3 +92,34 @@ def test_fuzz_changed_values_read_the_same_through_the_plan(values: dict[int, fl
     read_page(SINGLE)
     read_page(SINGLE)  # the layout is planned from the original values
     assert repr(_outcome(changed, "auto")) == repr(expected)
+
+
+ITL_BUCKET = 'vllm:inter_token_latency_seconds_bucket{engine="0",le="%s",model_name="Qwen/Qwen3-8B"}'
+
+
+@pytest.mark.parametrize("change", ["buckets out of order", "an edge twice", "no +Inf bucket"])
+def test_a_histogram_planned_from_odd_edges_reads_as_cold(change: str) -> None:
+    """The plan sorts and checks a histogram's edges once; edges out of page order are sorted as
+    histogram_from_samples sorts them, and edges that fail its checks leave the wording to `select`."""
+    lines = SINGLE.split("\n")
+    at = [number for number, line in enumerate(lines) if line.startswith(ITL_BUCKET.split("{")[0] + "{")]
+    if change == "buckets out of order":
+        lines[at[0]], lines[at[1]] = lines[at[1]], lines[at[0]]
+    elif change == "an edge twice":
+        lines[at[1]] = lines[at[1]].replace('le="0.025"', 'le="0.0250"')
+        lines[at[2]] = lines[at[2]].replace('le="0.05"', 'le="0.025"')
+    else:
+        del lines[at[-1]]
+    page = "\n".join(lines)
+    expected = cold(page, "vllm")
+    for _ in range(3):
+        assert repr(_outcome(page, "vllm")) == repr(expected)
+    assert any(plan is not None for plan in engines._PLANS.values()), "the warm reads went through a plan"
+    if change == "buckets out of order":
+        assert isinstance(expected, PageReading)
+        histogram = expected.snapshots[0].inter_token_latency
+        assert histogram is not None
+        edges = [edge for edge, _ in histogram.buckets]
+        assert edges == sorted(edges) and edges[-1] == math.inf
+    else:
+        assert isinstance(expected, PageReading) and expected.snapshots[0].inter_token_latency is None

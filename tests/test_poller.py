@@ -660,3 +660,76 @@ def test_pages_are_read_as_utf8_even_without_a_charset(page_server: PageServer) 
     finally:
         fetcher.close()
     assert model_name in text
+
+
+# --- how many fetches run at once --------------------------------------------------------------------
+
+
+class InFlight:
+    """A fetch that counts how many run at once (and can hold each until released)."""
+
+    def __init__(self, hold_seconds: float = 0.0, release: threading.Event | None = None) -> None:
+        self.hold_seconds, self.release = hold_seconds, release
+        self.now = self.most = 0
+        self.entered = threading.Semaphore(0)
+        self._lock = threading.Lock()
+
+    def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        self.entered.release()
+        try:
+            if self.release is not None:
+                self.release.wait(timeout=10)
+            elif self.hold_seconds:
+                time.sleep(self.hold_seconds)
+            return busy_page()
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+def test_fast_targets_are_polled_by_a_few_workers(clock: ManualClock, make_poller: MakePoller) -> None:
+    """Pages that answer at once: the few starting workers read them all (no thread contention)."""
+    from exporter.serve.poller import FAST_FETCH_WORKERS
+
+    fetch = InFlight()
+    poller = make_poller(make_config([f"http://127.0.0.1:1/{index}/metrics" for index in range(60)]), clock,
+                         fetch=fetch)
+    readings = poller.poll_once().readings
+    assert len(readings) == 60 and all(reading.target_up for reading in readings)
+    assert 1 <= fetch.most <= FAST_FETCH_WORKERS
+
+
+def test_hanging_targets_each_get_a_worker_up_to_the_most(clock: ManualClock, make_poller: MakePoller) -> None:
+    """Targets that hold their fetch (a dead server up to the timeout): each slow fetch is covered by
+    another worker, so the hung ones cannot starve the rest, up to MAX_FETCH_WORKERS at once."""
+    from exporter.serve.poller import FAST_FETCH_WORKERS, MAX_FETCH_WORKERS
+
+    hung = FAST_FETCH_WORKERS * 3
+    release = threading.Event()
+    fetch = InFlight(release=release)
+    poller = make_poller(make_config([f"http://127.0.0.1:1/{index}/metrics" for index in range(hung)]), clock,
+                         fetch=fetch)
+    cycle = threading.Thread(target=poller.poll_once)
+    cycle.start()
+    try:
+        for _ in range(hung):  # every hung fetch in flight at once, though only a few workers started
+            assert fetch.entered.acquire(timeout=10)
+    finally:
+        release.set()
+        cycle.join(timeout=10)
+    assert fetch.most == hung <= MAX_FETCH_WORKERS
+
+
+def test_a_poll_too_slow_for_its_interval_adds_workers(clock: ManualClock, make_poller: MakePoller) -> None:
+    """Targets 50 ms away (none slow on its own): 80 of them by the starting workers would take
+    80 x 0.05 / FAST_FETCH_WORKERS = 1 s, past a quarter of a 1 s interval; the poll adds workers."""
+    from exporter.serve.poller import FAST_FETCH_WORKERS
+
+    fetch = InFlight(hold_seconds=0.05)
+    config = make_config([f"http://127.0.0.1:1/{index}/metrics" for index in range(80)], poll_interval="1s")
+    poller = make_poller(config, clock, fetch=fetch)
+    assert len(poller.poll_once().readings) == 80
+    assert fetch.most > FAST_FETCH_WORKERS

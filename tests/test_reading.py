@@ -181,3 +181,22 @@ def test_down_reading_drops_values_when_stale() -> None:
     assert not kept.target_up and kept.tokens_in_flight == good.tokens_in_flight
     assert not dropped.target_up and dropped.tokens_in_flight is None and dropped.step_budget_seconds is None
     assert dropped.labels == good.labels and dropped.last_success_timestamp_seconds == 50
+
+
+def test_replace_reading_builds_what_dataclasses_replace_builds() -> None:
+    """The poll's copy-with-changes of a Reading is dataclasses.replace's answer, as long as Reading
+    keeps what makes that so: every field an init field, no __post_init__ to run again."""
+    import dataclasses
+
+    from exporter.serve.reading import Reading, replace_reading
+
+    assert all(item.init for item in dataclasses.fields(Reading)) and not hasattr(Reading, "__post_init__")
+    reading = derive_reading(deployment(), TARGET, snapshot(requests_running=3, kv_cache_usage_ratio=0.25,
+                                                            kv_cache_capacity_tokens=4096),
+                             window(mean=0.02, median=0.02, prefill=10), now_seconds=5.0, scrape_duration_seconds=0.1)
+    changes: dict[str, object] = {"target_up": False, "notes": ("a note",), "measured_step_seconds": 0.5}
+    copied = replace_reading(reading, **changes)
+    assert copied == dataclasses.replace(reading, **changes)  # type: ignore[arg-type]  # the changes are Reading fields
+    assert copied is not reading and reading.target_up is True and reading.notes != ("a note",)
+    with pytest.raises(TypeError, match="no_such_field"):
+        replace_reading(reading, no_such_field=1)

@@ -12,6 +12,7 @@ last good values only until `stale_after`.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import heapq
 import itertools
@@ -37,6 +38,7 @@ from exporter.logs import say_tls_verification_is_off
 from exporter.serve.config import Config, Deployment, Tls
 from exporter.serve.discovery import Discovery, Target
 from exporter.serve.engines import PageReading, read_page
+from exporter.serve.lean_http import LeanPool, LeanResponse
 from exporter.serve.reading import Reading, derive_reading, page_setup, server_wide_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window, compute_window
@@ -48,6 +50,16 @@ log = structlog.get_logger("stepbudget.poller")
 
 CHUNK_BYTES = 65536
 MAX_FETCH_WORKERS = 32
+# A poll starts this many fetch workers and adds more only where waiting, not CPU, is what holds it
+# up: a fetch running past SLOW_FETCH_SECONDS (a slow or dead target) gets a worker to cover for it,
+# and a pace that would make the poll last over POLL_BUDGET_SHARE of the interval (high-latency
+# targets) doubles them, up to MAX_FETCH_WORKERS. Why not 32 from the start: reading pages is CPU
+# work under one interpreter lock, and 32 threads contending for it cost ~0.08 ms more CPU per
+# target-poll than 2 to 8 (benchmarks/results/scale.md).
+FAST_FETCH_WORKERS = 4
+SLOW_FETCH_SECONDS = 0.25
+POLL_BUDGET_SHARE = 0.25
+WORKER_CHECK_SECONDS = 0.05
 MAX_CACHED_REQUESTS = 100_000
 MAX_REDIRECTS = 5
 
@@ -100,13 +112,21 @@ class Source(Protocol):
 #    unblocks a recv stuck anywhere (TLS handshake, status line, headers, body).
 # The fetch's sockets are known through urllib3 connection classes that report them.
 
-_fetch_sockets = threading.local()  # .sockets: the list the current thread's fetch collects into
+_fetch_sockets = threading.local()  # .armed: the current thread's fetch, whose sockets are collected
 
 
 def _track(sock: socket.socket | None) -> None:
-    collected = getattr(_fetch_sockets, "sockets", None)
-    if sock is not None and collected is not None and sock not in collected:
-        collected.append(sock)
+    armed: _Armed | None = getattr(_fetch_sockets, "armed", None)
+    if sock is None or armed is None or sock in armed.sockets:
+        return
+    armed.sockets.append(sock)
+    if armed.fired:
+        # Connected after the watchdog shut the others down (it sets `fired`, then copies the list):
+        # shut this one too, or it could hold the fetch for a whole socket timeout past the deadline.
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class _TrackedHTTPConnection(HTTPConnection):
@@ -197,8 +217,9 @@ _WATCHDOG = _Watchdog()
 
 
 class HttpFetcher:
-    """GET over urllib3 keep-alive pools (one per target), with timeouts, an overall deadline and a
-    size cap.
+    """GET over keep-alive pools (one per target), with timeouts, an overall deadline and a size cap:
+    lean_http.py's client for `http://` (a third of urllib3's CPU per page), urllib3 for `https://`
+    (and for both with `lean_http=False`, which tests compare the lean client against).
 
     Why urllib3 and not `requests`: a `requests.Session` send re-merges headers, cookies, hooks and
     adapter settings at every call, ~0.6 ms of CPU per page against ~0.3 ms for the same keep-alive
@@ -210,13 +231,14 @@ class HttpFetcher:
     """
 
     def __init__(self, timeout_seconds: float, max_response_bytes: int, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lean_http: bool = True) -> None:
         self.timeout_seconds = timeout_seconds
         self.max_response_bytes = max_response_bytes
         self._clock = clock
         self._timeout = Timeout(connect=timeout_seconds, read=timeout_seconds)
-        self._pools: dict[tuple[str, str, int | None, bool | str], HTTPConnectionPool] = {}
-        self._routes: dict[tuple[str, bool | str], tuple[HTTPConnectionPool, str, str]] = {}
+        self._lean_http = lean_http
+        self._pools: dict[tuple[str, str, int | None, bool | str], _Pool] = {}
+        self._routes: dict[tuple[str, bool | str], tuple[_Pool, str, str]] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -229,7 +251,7 @@ class HttpFetcher:
 
     def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str:
         armed = _WATCHDOG.arm(self.timeout_seconds)
-        _fetch_sockets.sockets = armed.sockets
+        _fetch_sockets.armed = armed
         try:
             text = self._fetch(url, bearer_token, tls)
         except FetchError:
@@ -238,7 +260,7 @@ class HttpFetcher:
             raise
         finally:
             _WATCHDOG.disarm(armed)
-            _fetch_sockets.sockets = None
+            _fetch_sockets.armed = None
         if armed.fired:  # a body cut short by the watchdog can read as a clean end: never use it
             raise FetchError(f"timed out after {self.timeout_seconds:g}s")
         return text
@@ -250,17 +272,17 @@ class HttpFetcher:
         try:
             if response.status != 200:
                 raise FetchError(f"HTTP {response.status}")
-            declared = response.headers.get("Content-Length", "")
+            declared = response.header("Content-Length")
             if declared.isdigit() and int(declared) > self.max_response_bytes:
                 raise FetchError(f"response over {self.max_response_bytes} bytes")
             body = self._read_body(response, deadline)
         finally:
-            _finish(response, reuse=body is not None)
+            response.finish(reuse=body is not None)
         # The text exposition format is UTF-8 whatever the header says (Prometheus's exposition_formats
         # spec): never guess ISO-8859-1 for a text/plain without charset, which would garble names.
         return body.decode("utf-8", errors="replace")
 
-    def _get(self, url: str, bearer_token: str | None, verify: bool | str) -> BaseHTTPResponse:
+    def _get(self, url: str, bearer_token: str | None, verify: bool | str) -> _Answer:
         """The response to GET `url`, after at most MAX_REDIRECTS redirects; errors as FetchError."""
         origin = None
         for _ in range(MAX_REDIRECTS + 1):
@@ -269,14 +291,14 @@ class HttpFetcher:
             # Like `requests`: the token goes to the target's own host only, never where it redirects.
             token = bearer_token if here == origin else None
             response = _send(pool, path, _headers(token), self._timeout)
-            location = response.get_redirect_location()
+            location = response.redirect_location()
             if not location:
                 return response
-            _finish(response, reuse=False)
+            response.finish(reuse=False)
             url = urljoin(url, location)
         raise FetchError(f"more than {MAX_REDIRECTS} redirects")
 
-    def _route(self, url: str, verify: bool | str) -> tuple[HTTPConnectionPool, str, str]:
+    def _route(self, url: str, verify: bool | str) -> tuple[_Pool, str, str]:
         """(pool, request path, origin) for a URL: parsed once per (URL, TLS verify), not per poll."""
         key = (url, verify)
         route = self._routes.get(key)
@@ -295,7 +317,7 @@ class HttpFetcher:
                 self._routes[key] = route
         return route
 
-    def _pool(self, scheme: str, host: str, port: int | None, verify: bool | str) -> HTTPConnectionPool:
+    def _pool(self, scheme: str, host: str, port: int | None, verify: bool | str) -> _Pool:
         """One keep-alive pool per (scheme, host, port, TLS verify), as deep as the fetch workers."""
         key = (scheme, host, port, verify if scheme == "https" else True)
         with self._lock:
@@ -306,11 +328,14 @@ class HttpFetcher:
                         old.close()
                     self._pools.clear()
                     self._routes.clear()
-                pool = _new_pool(scheme, host, port, verify, self._timeout)
+                if scheme == "http" and self._lean_http:
+                    pool = LeanPool(host, port, self.timeout_seconds, _track)
+                else:
+                    pool = _new_pool(scheme, host, port, verify, self._timeout)
                 self._pools[key] = pool
         return pool
 
-    def _read_body(self, response: BaseHTTPResponse, deadline: float) -> bytes:
+    def _read_body(self, response: _Answer, deadline: float) -> bytes:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -319,7 +344,7 @@ class HttpFetcher:
                 raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body")
             try:
                 # read1: return what one recv gives, so the deadline is checked between trickled bytes.
-                chunk = response.read1(CHUNK_BYTES, decode_content=True)
+                chunk = response.read1()
             except Exception as error:
                 if "timed out" in str(error).lower():
                     raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body") from None
@@ -330,6 +355,31 @@ class HttpFetcher:
             if size > self.max_response_bytes:
                 raise FetchError(f"response over {self.max_response_bytes} bytes")
             chunks.append(chunk)
+
+
+class _Urllib3Answer:
+    """A urllib3 response as the fetch reads it (LeanResponse's few methods): https, or every
+    scheme when the lean client is off."""
+
+    def __init__(self, response: BaseHTTPResponse) -> None:
+        self._response = response
+        self.status = response.status
+
+    def header(self, name: str) -> str:
+        return str(self._response.headers.get(name, ""))
+
+    def redirect_location(self) -> str | None:
+        return self._response.get_redirect_location() or None
+
+    def read1(self) -> bytes:
+        return self._response.read1(CHUNK_BYTES, decode_content=True)
+
+    def finish(self, *, reuse: bool) -> None:
+        _finish(self._response, reuse=reuse)
+
+
+_Answer = LeanResponse | _Urllib3Answer
+_Pool = LeanPool | HTTPConnectionPool
 
 
 # Ask for the text format: some servers answer OpenMetrics or protobuf on content negotiation.
@@ -356,12 +406,15 @@ def _new_pool(scheme: str, host: str, port: int | None, verify: bool | str, time
                              cert_reqs="CERT_REQUIRED", ca_certs=verify if isinstance(verify, str) else None)
 
 
-def _send(pool: HTTPConnectionPool, path: str, headers: dict[str, str], timeout: Timeout) -> BaseHTTPResponse:
-    """One GET, no retries (a failed poll is retried by the next poll); urllib3's errors named as
-    FetchError reasons, as `requests` named them before."""
+def _send(pool: _Pool, path: str, headers: dict[str, str], timeout: Timeout) -> _Answer:
+    """One GET, no retries (a failed poll is retried by the next poll); urllib3's errors (and the
+    lean client's, worded as urllib3's) named as FetchError reasons, as `requests` named them before."""
     try:
-        return pool.urlopen("GET", path, headers=headers, timeout=timeout, retries=False, redirect=False,
-                            preload_content=False, decode_content=True, assert_same_host=False)
+        if isinstance(pool, LeanPool):
+            return pool.get(path, headers)
+        return _Urllib3Answer(pool.urlopen("GET", path, headers=headers, timeout=timeout, retries=False,
+                                           redirect=False, preload_content=False, decode_content=True,
+                                           assert_same_host=False))
     except urllib3_exceptions.SSLError as error:
         raise FetchError(f"TLS error: {_short(error)}") from None
     except urllib3_exceptions.NewConnectionError as error:  # before timeouts: it subclasses ConnectTimeoutError
@@ -417,6 +470,7 @@ class PollResult:
 
 
 PollListener = Callable[[PollResult], None]
+_CRASHED: list[Reading] = []  # (this very object) a target whose poll raised: logged, no readings
 ReadPage = Callable[[str, str], PageReading]  # (page text, server kind) -> what the page says
 ComputeWindow = Callable[[Snapshot | None, Snapshot], Window]  # (previous, current) -> the window
 
@@ -446,6 +500,7 @@ class Poller:
         self._listeners: list[PollListener] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
                                                                thread_name_prefix="stepbudget-fetch")
+        self._stopping = False
         self._scheduler: BackgroundScheduler | None = None
 
     # --- what others read -----------------------------------------------------------------------
@@ -479,25 +534,15 @@ class Poller:
         for target in found:
             counts[target.deployment] += 1
         tokens = self._bearer_tokens(targets)
-        futures: dict[tuple[str, str], concurrent.futures.Future[list[Reading]]] = {}
-        for target in targets:
-            try:
-                futures[target.key] = self._executor.submit(self._poll_target, target, tokens[target.deployment])
-            except RuntimeError:  # stop() shut the pool down while this cycle was still submitting
-                break
+        polled = self._poll_targets(targets, tokens)
         readings: list[Reading] = [reading for answer in answers for reading in self._source_readings(answer)]
         abandoned = 0
         for target in targets:
-            future = futures.get(target.key)
-            if future is None:
-                abandoned += 1
-                continue
-            try:
-                readings.extend(future.result())
-            except concurrent.futures.CancelledError:
-                abandoned += 1  # stop() cancelled the queued fetches: the daemon is shutting down
-            except Exception:
-                log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+            outcome = polled.get(target.key)
+            if outcome is None:
+                abandoned += 1  # stop() came first: the daemon is shutting down
+            elif outcome is not _CRASHED:
+                readings.extend(outcome)
         if abandoned:
             # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
             log.info("poll_cycle_abandoned", reason="stopping", targets_not_polled=abandoned)
@@ -511,6 +556,62 @@ class Poller:
             except Exception:
                 log.exception("poll_listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))
         return result
+
+    def _poll_targets(self, targets: Sequence[Target],
+                      tokens: dict[str, str | Exception | None]) -> dict[tuple[str, str], list[Reading]]:
+        """Every target's readings (_CRASHED for a bug, logged), from workers that take targets off one
+        queue; a target missing from the answer was never polled (stop() came first)."""
+        queue = collections.deque(targets)
+        polled: dict[tuple[str, str], list[Reading]] = {}
+        fetching: dict[int, float] = {}  # worker -> when its current target started (real time: scheduling)
+
+        def work(worker: int) -> None:
+            while not self._stopping:
+                try:
+                    target = queue.popleft()
+                except IndexError:
+                    return
+                fetching[worker] = time.monotonic()
+                try:
+                    polled[target.key] = self._poll_target(target, tokens[target.deployment])
+                except Exception:
+                    log.exception("poll_target_crashed", deployment=target.deployment, target=target.target)
+                    polled[target.key] = _CRASHED
+                finally:
+                    del fetching[worker]
+
+        workers: list[concurrent.futures.Future[None]] = []
+
+        def add(count: int) -> None:
+            for _ in range(min(count, MAX_FETCH_WORKERS - len(workers), len(queue))):
+                try:
+                    workers.append(self._executor.submit(work, len(workers)))
+                except RuntimeError:  # stop() shut the pool down
+                    return
+
+        started = grown = time.monotonic()
+        cpu_started = time.process_time()  # the whole process's CPU, every thread
+        budget_seconds = POLL_BUDGET_SHARE * self.config.poll_interval_seconds
+        covered: set[tuple[int, float]] = set()  # slow fetches already given a worker to cover for them
+        add(FAST_FETCH_WORKERS)
+        while queue and not self._stopping:
+            _, pending = concurrent.futures.wait(workers, timeout=WORKER_CHECK_SECONDS)
+            if not pending:
+                break
+            now = time.monotonic()
+            slow = {(worker, since) for worker, since in list(fetching.items()) if now - since > SLOW_FETCH_SECONDS}
+            new = slow - covered
+            covered |= new
+            add(len(new))
+            done, elapsed = len(polled), now - started
+            # Late at this pace, and waiting rather than computing (more threads cannot speed up a
+            # process that already keeps its one interpreter busy): double, then judge the new pace.
+            if (done and elapsed * len(targets) / done > budget_seconds and now - grown > SLOW_FETCH_SECONDS
+                    and time.process_time() - cpu_started < 0.8 * elapsed):
+                add(len(workers))
+                grown = now
+        concurrent.futures.wait(workers)
+        return polled
 
     def _read_sources(self) -> list[SourceAnswer]:
         """Every source's answer, read concurrently; a source never raises (its failures are its
@@ -697,6 +798,7 @@ class Poller:
         self._scheduler = scheduler
 
     def stop(self) -> None:
+        self._stopping = True  # fetch workers finish the target in hand and take no other
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None

@@ -48,6 +48,7 @@ def _detect(scan: PageScan) -> Adapter:
 # Each page layout's plan (families.py's Plan), by adapter and layout; None: not plain, `select` it.
 _PLANS: dict[tuple[str, tuple[tuple[str, tuple[tuple[str, str], ...]], ...]], Plan | None] = {}
 MAX_CACHED_PLANS = 2_000
+_UNPLANNED = Plan((), (), {}, {}, {})  # (this very object) a layout not planned yet
 
 
 def _selection(adapter: Adapter, scan: PageScan) -> tuple[list[Identity], Selection]:
@@ -55,9 +56,8 @@ def _selection(adapter: Adapter, scan: PageScan) -> tuple[list[Identity], Select
     same answer, without re-sorting the series at every poll), else through `select`."""
     if scan.layout is not None:
         key = (adapter.kind, scan.layout)
-        if key in _PLANS:
-            plan = _PLANS[key]
-        else:
+        plan = _PLANS.get(key, _UNPLANNED)  # one lookup: hashing a layout is ~50 nested tuples
+        if plan is _UNPLANNED:
             plan = plan_selection(scan, adapter.sample_names(), adapter.roles, adapter.specs)
             if len(_PLANS) >= MAX_CACHED_PLANS:
                 _PLANS.clear()

@@ -351,6 +351,41 @@ class _PlannedHistogram(NamedTuple):
     buckets: tuple[tuple[int, float], ...]  # (position, upper edge) in `select`'s order
     count_at: int  # position of `_count`
     sum_at: int  # position of `_sum`
+    # The edges sorted, when they pass histogram_from_samples' checks on edges alone (distinct, no
+    # NaN, the last +Inf), and the buckets' positions in that order: then only the counts need
+    # checking at each poll. None: the edges fail, histogram_from_samples words it (via `select`).
+    edges: tuple[float, ...] | None = None
+    order: tuple[int, ...] = ()
+
+
+def _sorted_edges(buckets: list[tuple[int, float]]) -> tuple[tuple[float, ...] | None, tuple[int, ...]]:
+    """(edges, positions) in histogram_from_samples' order, or (None, ()) if the edges alone fail it."""
+    ordered = sorted(buckets, key=lambda bucket: bucket[1])
+    edges = tuple(edge for _, edge in ordered)
+    if not edges or edges[-1] != math.inf or any(math.isnan(edge) for edge in edges) or len(set(edges)) != len(edges):
+        return None, ()
+    return edges, tuple(position for position, _ in ordered)
+
+
+def _planned_histogram(planned: _PlannedHistogram, values: list[float]) -> Histogram | None:
+    """histogram_from_samples' answer for edges already checked: the counts finite, not negative
+    and cumulative, the last equal to `_count`, the sum finite; None where it would refuse."""
+    edges = planned.edges
+    if edges is None:
+        buckets = [(edge, values[position]) for position, edge in planned.buckets]
+        return histogram_from_samples(buckets, values[planned.count_at], values[planned.sum_at])[0]
+    counts = [values[position] for position in planned.order]
+    previous = 0.0
+    inf = math.inf
+    for count in counts:
+        if not previous <= count < inf:  # also false for NaN
+            return None
+        previous = count
+    total = values[planned.sum_at]
+    if previous != values[planned.count_at] or not -inf < total < inf:
+        return None
+    # The edges are distinct, so sorting (edge, count) pairs, as histogram_from_samples does, is this order.
+    return Histogram(buckets=tuple(zip(edges, counts, strict=True)), count=values[planned.count_at], sum=total)
 
 
 @dataclass(frozen=True)
@@ -375,8 +410,7 @@ class Plan:
                     return None
                 found[name] = value + 0.0  # as _merge_scalars' sums give it (-0.0 -> 0.0)
             for planned in histograms:
-                buckets = [(edge, values[position]) for position, edge in planned.buckets]
-                histogram, _ = histogram_from_samples(buckets, values[planned.count_at], values[planned.sum_at])
+                histogram = _planned_histogram(planned, values)
                 if histogram is None:
                     return None
                 found[planned.field] = histogram
@@ -428,7 +462,8 @@ def plan_selection(scan: PageScan, names: tuple[str, ...], roles: EngineLabels,
                             buckets.append((where(name + "_bucket", labels), edge))
                     histograms.append(_PlannedHistogram(spec.field, tuple(buckets),
                                                         where(name + "_count", parts["_count"][0][0]),
-                                                        where(name + "_sum", parts["_sum"][0][0])))
+                                                        where(name + "_sum", parts["_sum"][0][0]),
+                                                        *_sorted_edges(buckets)))
                 else:
                     found = _series_for(index, spec, name, who)
                     if not found:
