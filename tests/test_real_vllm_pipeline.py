@@ -105,12 +105,29 @@ def _unsettled(stream: Stream, at_seconds: float, margin_seconds: float = 0.3) -
     return (starting and (end is None or end > early)) or (end is not None and early <= end <= late)
 
 
-def _expected_tokens(streams: list[Stream], at_seconds: float) -> float:
-    """What the page's used blocks say, worked out from the clients: each running request holds
-    ceil(context / 128) blocks, and the daemon takes (128 - 1) / 2 of each last block as empty."""
-    running = [s for s in streams if s.running_at(at_seconds)]
-    held_blocks = sum(_blocks(s.prompt_tokens + s.generated_by(at_seconds)) for s in running)
-    return held_blocks * BLOCK_SIZE_TOKENS - len(running) * (BLOCK_SIZE_TOKENS - 1) / 2
+def _held_tokens_bounds(streams: list[Stream], at_seconds: float) -> tuple[float, float]:
+    """What the page's used blocks may say, worked out from the clients: each running request holds
+    ceil(context / 128) blocks, and the daemon takes (128 - 1) / 2 of each last block as empty (once
+    per request the page counts as running). A request the clients cannot place (just starting, in
+    its prefill, or ending: `_unsettled`) may hold none of its blocks or all of them; the truth is
+    taken 0.3 s either side of the poll (a request crossing a block between the page and the clock)."""
+    low_blocks = high_blocks = 0
+    settled = unsettled = 0
+    for stream in streams:
+        if not (stream.running_at(at_seconds - 0.3) or stream.running_at(at_seconds + 0.3)):
+            continue
+        early = _blocks(stream.tokens_held_at(at_seconds - 0.3)) if stream.running_at(at_seconds - 0.3) else 0
+        late = _blocks(stream.tokens_held_at(at_seconds + 0.3)) if stream.running_at(at_seconds + 0.3) else 0
+        if _unsettled(stream, at_seconds):
+            unsettled += 1
+            high_blocks += max(early, late, _blocks(stream.prompt_tokens + stream.generated_by(at_seconds + 0.3)))
+        else:
+            settled += 1
+            low_blocks += min(early, late)
+            high_blocks += max(early, late)
+    empty = (BLOCK_SIZE_TOKENS - 1) / 2
+    return (low_blocks * BLOCK_SIZE_TOKENS - (settled + unsettled) * empty,
+            high_blocks * BLOCK_SIZE_TOKENS - settled * empty)
 
 
 def test_capacity_is_the_figure_vllm_logged_at_start(run: Run) -> None:
@@ -121,23 +138,24 @@ def test_capacity_is_the_figure_vllm_logged_at_start(run: Run) -> None:
 
 
 def test_tokens_in_flight_within_two_percent_of_what_the_clients_hold(run: Run) -> None:
-    streams = run.load.streams
-    compared = []
+    """Every poll of the story's phases lies within 2% of the clients' bounds; where every request is
+    settled the bounds are one figure's block rounding apart, and such polls exist in every phase of
+    chats (the long sessions' phase churns too much to promise one: a 3,500-token prompt is in its
+    prefill for seconds, and 16 chats start or end about once a second)."""
+    exact_phases = []
     for poll in run.polls:
         reading, t = poll.reading, poll.at_seconds
+        # A waiting request may be one the engine preempted: it has streamed, holds no blocks, and the
+        # clients cannot tell. The overload phase is where that is meant to happen (its own test).
         if poll.phase not in ("chat4", "chat16", "chat16+long") or reading.requests_waiting:
             continue
-        # The clients cannot say whether the engine holds a request that is just starting or ending: such
-        # polls are left out. One crossing a block between the page and the clock: the truth is taken
-        # 0.3 s either side and the reading must lie between.
-        if any(_unsettled(s, t) for s in streams):
-            continue
-        low, high = sorted((_expected_tokens(streams, t - 0.3), _expected_tokens(streams, t + 0.3)))
+        low, high = _held_tokens_bounds(run.load.streams, t)
         assert reading.tokens_in_flight is not None
         assert low * 0.98 <= reading.tokens_in_flight <= high * 1.02, (poll.phase, t, reading.tokens_in_flight,
                                                                        low, high)
-        compared.append(poll.phase)
-    assert {"chat4", "chat16", "chat16+long"} <= set(compared), compared
+        if not any(_unsettled(s, t) for s in run.load.streams):
+            exact_phases.append(poll.phase)
+    assert {"chat4", "chat16"} <= set(exact_phases), exact_phases
 
 
 def test_running_and_waiting_are_the_requests_the_clients_have_outstanding(run: Run) -> None:
