@@ -79,10 +79,10 @@ class Snapshot:
     # "weights_offloaded" (level 1), "discard_all" (level 2) or "kv_cache_released" (KV memory only).
     sleep_state: str | None = None
     # Speculative decoding (vLLM: vllm:spec_decode_num_*_total, 0.32.0 vllm/v1/spec_decode/metrics.py
-    # l. 41-49 and 266-279; vllm/v1/core/sched/scheduler.py l. 2110-2134): a draft is one request-step
-    # that carried draft tokens; accepted tokens are the drafts' tokens the target model kept. A
-    # request-step yields its accepted tokens plus one.
-    spec_decode_drafts_total: float | None = None
+    # l. 41-49 and 266-279; vllm/v1/core/sched/scheduler.py l. 2110-2134): accepted tokens are the drafts'
+    # tokens the target model kept; a request-step yields its accepted tokens plus one. The drafts count
+    # (vllm:spec_decode_num_drafts_total) is not read: it leaves out request-steps that proposed nothing
+    # (window.tokens_per_step says why the ITL count is the divisor).
     spec_decode_draft_tokens_total: float | None = None
     spec_decode_accepted_tokens_total: float | None = None
     # SGLang's sglang:spec_accept_length: tokens per request per forward (accepted drafts + the bonus

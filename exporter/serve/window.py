@@ -19,7 +19,7 @@ _SUM_WOBBLE = 1e-9
 MEDIAN_RESOLUTION_RATIO = 0.1
 _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_tokens_cached_total",
              "generation_tokens_total", "preemptions_total", "engine_steps_total", "server_read_bytes_total",
-             "admission_rejections_total", "spec_decode_drafts_total", "spec_decode_draft_tokens_total",
+             "admission_rejections_total", "spec_decode_draft_tokens_total",
              "spec_decode_accepted_tokens_total")
 
 

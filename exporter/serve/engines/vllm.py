@@ -29,9 +29,10 @@ Facts and their sources: shared/reference/vllm_metrics/REPORT.md §a (names, ren
   (loggers.py l. 1148-1160; scheduler.py l. 2944-2948: deferred are requests skipped for a LoRA budget, an
   unknown external-KV match, stale output, or a blocked status, l. 904-910 and l. 2437-2442).
   `vllm:engine_sleep_state` and `vllm:admission_rejections_total`: see `sleep_state` and `_admission_rejections`.
-- Speculative decoding: `vllm:spec_decode_num_drafts_total` / `_num_draft_tokens_total` / `_num_accepted_tokens_total`
-  (docs/engines.md). The ITL histogram then still has one observation per request per step, which carries
-  1 + accepted tokens (0.32.0 vllm/v1/metrics/stats.py l. 514 and 548-552).
+- Speculative decoding: `vllm:spec_decode_num_draft_tokens_total` and `_num_accepted_tokens_total` (docs/engines.md;
+  `_num_drafts_total` is not read: window.tokens_per_step). The ITL histogram then still has one
+  observation per request per step, which carries 1 + accepted tokens (0.32.0 vllm/v1/metrics/stats.py
+  l. 514 and 548-552).
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ SPECS = (
     FamilySpec("iteration_tokens", ("vllm:iteration_tokens_total",), "histogram", optional=True),
     FamilySpec("server_read_bytes_total", ("vllm:estimated_read_bytes_per_gpu_total",), "counter", optional=True),
     # Only with --speculative-config (0.32.0 vllm/v1/spec_decode/metrics.py l. 211-213: no family without it).
-    FamilySpec("spec_decode_drafts_total", ("vllm:spec_decode_num_drafts_total",), "counter", optional=True),
     FamilySpec("spec_decode_draft_tokens_total", ("vllm:spec_decode_num_draft_tokens_total",), "counter",
                optional=True),
     FamilySpec("spec_decode_accepted_tokens_total", ("vllm:spec_decode_num_accepted_tokens_total",), "counter",
