@@ -97,12 +97,19 @@ def _in_prefill(stream: Stream, at_seconds: float) -> bool:
 
 def _unsettled(stream: Stream, at_seconds: float, margin_seconds: float = 0.3) -> bool:
     """Whether the engine may or may not hold this request at `at_seconds`: sent but not yet back with a
-    first token (the front end admits it a moment after the client sent it), or finished about then
-    (the engine frees its blocks in the step that ends it, a moment before the client reads the end)."""
+    first token (the front end admits it a moment after the client sent it), finished about then
+    (the engine frees its blocks in the step that ends it, a moment before the client reads the end),
+    or its delivery stalled then (`Stream.delivery_stalls`: the engine may have ended it meanwhile)."""
     early, late = at_seconds - margin_seconds, at_seconds + margin_seconds
     end = stream.finished_at_seconds
     starting = stream.sent_at_seconds < late and (not stream.arrivals or stream.arrivals[0][0] > early)
-    return (starting and (end is None or end > early)) or (end is not None and early <= end <= late)
+    return ((starting and (end is None or end > early)) or (end is not None and early <= end <= late)
+            or _stalled_about(stream, at_seconds, margin_seconds))
+
+
+def _stalled_about(stream: Stream, at_seconds: float, margin_seconds: float = 0.3) -> bool:
+    return any(start < at_seconds + margin_seconds and end > at_seconds - margin_seconds
+               for start, end in stream.delivery_stalls())
 
 
 def _held_tokens_bounds(streams: list[Stream], at_seconds: float) -> tuple[float, float]:
@@ -159,16 +166,18 @@ def test_tokens_in_flight_within_two_percent_of_what_the_clients_hold(run: Run) 
 
 
 def test_running_and_waiting_are_the_requests_the_clients_have_outstanding(run: Run) -> None:
-    """Between what the clients know for sure is in the engine (a token came back and the request has
-    not ended) and all they have outstanding (sent, not ended): the front end holds a request a moment
-    before the scheduler sees it, and the engine ends one a moment before the client reads the end."""
+    """Between what the clients know for sure is in the engine (a token came back, the request has not
+    ended and its delivery is not stalled) and all they have outstanding (sent, not ended): the front
+    end holds a request a moment before the scheduler sees it, and the engine ends one a moment before
+    the client reads the end (seconds before, when its delivery stalls)."""
     waited = False
     for poll in run.polls:
         reading, t = poll.reading, poll.at_seconds
         assert reading.requests_running is not None and reading.requests_waiting is not None
         assert reading.requests_running <= MAX_NUM_SEQS
         in_engine = sum(1 for s in run.load.streams if s.arrivals and s.arrivals[0][0] < t - 0.3
-                        and (s.finished_at_seconds is None or s.finished_at_seconds > t + 0.3))
+                        and (s.finished_at_seconds is None or s.finished_at_seconds > t + 0.3)
+                        and not _stalled_about(s, t))
         outstanding = max(run.load.outstanding_at(t + offset) for offset in (-0.3, 0.0, 0.3))
         assert in_engine <= reading.requests_running + reading.requests_waiting <= outstanding, (poll.phase, t)
         waited = waited or (poll.phase == "overload" and reading.requests_waiting > 0)
@@ -219,13 +228,29 @@ def _itl_count(poll: PollRecord) -> float:
     return histogram.count
 
 
+def _itl_sum(poll: PollRecord) -> float:
+    histogram = poll.snapshot.inter_token_latency
+    assert histogram is not None
+    return histogram.sum
+
+
 def test_measured_step_is_the_clients_mean_token_gap_over_the_daemons_windows(run: Run) -> None:
-    long_prompt_windows = compared = 0
+    long_prompt_windows = compared = stalled = 0
     chunks = _gaps_in_arrival_order(run.load.streams)
+    stalls = [stall for stream in run.load.streams for stall in stream.delivery_stalls()]
     origin = _itl_count(run.polls[0])  # the idle first poll: the warm-up request's tokens are before it
     for before, after in _windows(run):
         first_token, last_token = _itl_count(before) - origin, _itl_count(after) - origin
         if last_token - first_token < 30:
+            continue
+        # A delivery stall moves its length of one stream's gaps to the window where the held tokens
+        # arrive (and the clients' count off the server's meanwhile): not comparable where that could
+        # be 2% of the window's gaps. Rare (one CI run had two such stalls over 8 windows, local runs
+        # none); at least 15 windows must still be compared.
+        window_gaps_seconds = (_itl_sum(after) - _itl_sum(before))
+        if any(start < after.at_seconds + 2.0 and end > before.fetch_started_seconds
+               and end - start > 0.02 * window_gaps_seconds for start, end in stalls):
+            stalled += 1
             continue
         # The server's count at a poll is the clients' at about the poll: every token a client had read
         # before the fetch began was counted (the server counts a token before it sends it), and those
@@ -241,7 +266,7 @@ def test_measured_step_is_the_clients_mean_token_gap_over_the_daemons_windows(ru
         long_prompt_windows += any(
             _in_prefill(s, t) for s in run.load.streams for t in (before.at_seconds, after.at_seconds))
     assert long_prompt_windows >= 1, "no window held a long prompt's chunked prefill"
-    assert compared >= 15, compared
+    assert compared >= 15, (compared, stalled)
 
 
 def _firsts_matching_the_servers_count(prompts_by_first_token: list[tuple[float, int]], poll: PollRecord,
