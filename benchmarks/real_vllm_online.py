@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -161,13 +162,21 @@ def refits(polls: list[dict[str, object]]) -> str:
     evaluated = [w for is_last, w in windows if is_last]
     lines = ["| fitted on | windows | bandwidth | overhead | per request | median \\|error\\| over the last phase |",
              "|---|---:|---:|---:|---:|---:|"]
-    for label, train in (("the windows before the last phase", [w for is_last, w in windows if not is_last]),
-                         ("every window, the last phase's included", [w for _, w in windows])):
-        fit = fit_windows(seed, train, bounds, min_windows=12)
+    # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate at the host's
+    # peak (this refit has no prefill mix to fit it from); benchmarks/real_vllm_step_cost.py shows why
+    # the 1- and 4-stream windows pull a single bandwidth low on this host.
+    kv_phases = {label for label, _, _ in PHASES[2:-1]}
+    kv_windows = [w for p in polls if p["phase"] in kv_phases and (w := _fit_window(p)) is not None]
+    at_peak = replace(seed, effective_compute_flops_per_second=bounds.max_compute)
+    for label, fit_seed, train in (
+            ("the windows before the last phase", seed, [w for is_last, w in windows if not is_last]),
+            ("every window, the last phase's included", seed, [w for _, w in windows]),
+            ("the 16-stream and 2,500 phases' windows, compute at the peak", at_peak, kv_windows)):
+        fit = fit_windows(fit_seed, train, bounds, min_windows=12)
         if fit.parameters is None:
             lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | |")
             continue
-        predicted = fitted_step_seconds(seed, evaluated, fit.parameters)
+        predicted = fitted_step_seconds(fit_seed, evaluated, fit.parameters)
         error = statistics.median(abs(f / w.measured_step_seconds - 1)
                                   for f, w in zip(predicted, evaluated, strict=True))
         lines.append(f"| {label} | {fit.windows_used} | {fit.parameters.bandwidth_bytes_per_second / 1e9:.2f} GB/s | "

