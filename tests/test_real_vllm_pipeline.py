@@ -247,7 +247,7 @@ def test_measured_step_is_the_clients_mean_token_gap_over_the_daemons_windows(ru
         # arrive (and the clients' count off the server's meanwhile): not comparable where that could
         # be 2% of the window's gaps. Rare (one CI run had two such stalls over 8 windows, local runs
         # none); at least 15 windows must still be compared.
-        window_gaps_seconds = (_itl_sum(after) - _itl_sum(before))
+        window_gaps_seconds = _itl_sum(after) - _itl_sum(before)
         if any(start < after.at_seconds + 2.0 and end > before.fetch_started_seconds
                and end - start > 0.02 * window_gaps_seconds for start, end in stalls):
             stalled += 1
