@@ -2,14 +2,16 @@
 it, this host described by its numbers (tests/support/real_vllm.py HOST_DEVICE).
 
 One real server for the module. `calibrate --url` times one stream alone at a short and a long context;
-its fit must then predict a load it never saw (two streams at 5,000 tokens each) within 10% of the gaps
-those clients observe. The daemon's online calibration on the same kind of server, over a load that
+its fit must then predict loads it never saw from the gaps those clients observe: one stream at a
+third context within 10%, and two streams at 5,000 tokens each within 15% (a second request's own
+cost, which one stream cannot show, is ~5% of that step on this CPU). The daemon's online calibration on the same kind of server, over a load that
 changes, is measured by benchmarks/real_vllm_online.py (results in benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -48,35 +50,52 @@ def _number(document: dict[str, object], key: str) -> float:
     return float(value)
 
 
-def test_calibrate_url_predicts_a_load_it_never_saw_within_ten_percent(server: VllmServer) -> None:
+def test_calibrate_url_predicts_loads_it_never_saw(server: VllmServer) -> None:
     # Both points long: with two points calibrate fits the bandwidth alone, and this CPU's per-step cost
     # of a few ms skews a short one (at 256 and 6,000 tokens the points' bandwidths spread 15.4% here,
     # and calibrate refused the fit, rightly); past 1,500 tokens the bytes explain the gaps.
     calibration = _cli("calibrate", "--url", server.base_url, *SETUP_FLAGS, "--short-context", "1500",
-                       "--long-context", "7000", "--tokens", "48")
+                       "--long-context", "7000", "--tokens", "128")
     assert calibration["gpu"] == "custom"
     bandwidth = _number(calibration, "effective_bandwidth_bytes_per_second")
     overhead = _number(calibration, "step_overhead_seconds")
     assert 0 < bandwidth <= 27e9  # bounded by the peak given
-    # Two streams at 5,000 tokens each: neither the short nor the long point, past the long one in tokens
-    # in flight, and two requests per step. One stream cannot show what a second request costs of its own
-    # on this CPU, about 2-3 ms (1 x 6,000 tokens steps in 32.8 ms here, 2 x 3,000 in 34.8 ms, and a CI
-    # run read 36.2 ms: -10.6% for two streams at 3,000); at 10,000 tokens in flight that is ~5% of a
-    # step, and the test holds the bandwidth's prediction, not that cost (calibrate takes it from
-    # `--itl` points at several batch sizes).
-    load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=3)
-    load.start(Phase("two", 2, 5000, 120))
+    # Three runs of each load, one after the other, and their median: this VM's own speed moves by up to
+    # 8% within a quarter of an hour (benchmarks/results/real_vllm_step_cost.md), and one CI run's single
+    # pair of streams stepped in 57.8 ms where another run's took 46.8 ms.
+    # One stream at 4,500 tokens: a context neither point had, and what calibrate's fit claims to predict.
+    one = statistics.median(_mean_gap_seconds(server, seed, 1, 4500) for seed in (3, 4, 5))
+    assert _predicted_step_seconds(bandwidth, overhead, "1x4560") == pytest.approx(one, rel=0.10), (one, calibration)
+    # Two streams at 5,000 tokens each: past the long point in tokens in flight, and two requests per
+    # step. One stream cannot show what a second request costs of its own on this CPU, about 2.5 ms
+    # (the same benchmark: 2 x 3,000 tokens step in 34.4 ms, 1 x 6,000 in 31.9 ms), ~5% of this step,
+    # so this load is held to 15%: the bandwidth's prediction plus that cost, which calibrate takes only
+    # from `--itl` points at several batch sizes (a CI run read two streams at 3,000 10.6% over the
+    # prediction; at 5,000, -2.0% and -6.3% in two runs here).
+    two = statistics.median(_mean_gap_seconds(server, seed, 2, 5000) for seed in (6, 7, 8))
+    assert _predicted_step_seconds(bandwidth, overhead, "2x5060") == pytest.approx(two, rel=0.15), (two, calibration)
+
+
+def _predicted_step_seconds(bandwidth: float, overhead: float, load: str) -> float:
+    """`plan` with the calibrated terms at `load` (requests x the context each held over the span
+    measured: prompt + half the output)."""
+    plan = _cli("plan", *SETUP_FLAGS, "--bandwidth", repr(bandwidth), "--step-overhead", repr(overhead),
+                "--load", load)
+    return _number(plan, "predicted_step_seconds")
+
+
+def _mean_gap_seconds(server: VllmServer, seed: int, streams: int, prompt_tokens: int) -> float:
+    """`streams` streams of `prompt_tokens` fresh prompt tokens (no prefix-cache hit) and 120 out,
+    started together: their clients' mean gap while all of them decode."""
+    load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=seed)
+    load.start(Phase("load", streams, prompt_tokens, 120))
     time.sleep(2.0)
-    load.stop("two")
+    load.stop("load")
     assert load.join(300)
     assert not load.errors(), load.errors()
-    (first, second) = load.streams
-    start = max(s.arrivals[1][0] for s in (first, second))  # both past their prefill
-    end = min(s.arrivals[-1][0] for s in (first, second))  # both still decoding
+    assert len(load.streams) == streams
+    start = max(s.arrivals[1][0] for s in load.streams)  # all past their prefill
+    end = min(s.arrivals[-1][0] for s in load.streams)  # all still decoding
     measured, tokens = load.mean_gap_seconds(start, end)
-    assert measured is not None and tokens >= 150
-    # The context each held in that span, averaged: prompt + half the output so far.
-    plan = _cli("plan", *SETUP_FLAGS, "--bandwidth", repr(bandwidth), "--step-overhead", repr(overhead),
-                "--load", "2x5060")
-    predicted = _number(plan, "predicted_step_seconds")
-    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured, calibration)
+    assert measured is not None and tokens >= 75 * streams
+    return measured
