@@ -2,10 +2,11 @@
 it, this host described by its numbers (tests/support/real_vllm.py HOST_DEVICE).
 
 One real server for the module. `calibrate --url` times one stream alone at a short and a long context;
-its fit must then predict loads it never saw from the gaps those clients observe: one stream at a
+its fit must then predict loads it never saw, against the gaps their clients observe: one stream at a
 third context within 10%, and two streams at 5,000 tokens each within 15% (a second request's own
-cost, which one stream cannot show, is ~5% of that step on this CPU). The daemon's online calibration on the same kind of server, over a load that
-changes, is measured by benchmarks/real_vllm_online.py (results in benchmarks/results/).
+cost, which one stream cannot show, is ~5% of that step on this CPU). The daemon's online
+calibration on the same kind of server, over a load that changes, is measured by
+benchmarks/real_vllm_online.py (results in benchmarks/results/).
 """
 
 from __future__ import annotations
