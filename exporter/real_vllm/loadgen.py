@@ -84,8 +84,10 @@ class Stream:
 
     def delivery_stalls(self) -> list[tuple[float, float]]:
         """Spans (the last arrival before, the burst's arrival) after which several events arrived at
-        once: the server had sent them a step or more apart, so they waited in delivery (its front
-        end or this client's thread starved of a core), and their arrival times say nothing of the
+        once: the server had made them a step or more apart (a request whose consumer falls behind
+        gets its steps merged into one output, 0.32.0 vllm/v1/engine/output_processor.py l. 53-79,
+        so separate events were separate steps), so they waited in delivery (the server's send path
+        or this client's thread starved of a core), and their arrival times say nothing of the
         steps. A CI run on 2 cores held 118 tokens of one stream for 10 s while the other streams
         and the server's own ITL ran on at 17 ms a token; the client cannot tell when those tokens
         were made, nor, for a stall at the end, when the engine let the request go."""
