@@ -91,10 +91,10 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
                                                  server.metrics_url)).deployments[0].resolved
     # Both points long: this CPU's per-step cost skews a 256-token one past calibrate's 15% agreement
     # (tests/test_real_vllm_calibration.py).
-    print("2. calibrating as `stepbudget calibrate --url` does: one stream alone at 1,500 and 7,000 tokens",
+    print("2. calibrating as `stepbudget calibrate --url` does: one stream alone at 3,000 and 7,000 tokens",
           flush=True)
     calibration = calibrate.calibrate_live(server.base_url, resolved.setup, model_name=settings.served_model_name,
-                                           short_context_tokens=1500, long_context_tokens=7000,
+                                           short_context_tokens=3000, long_context_tokens=7000,
                                            output_tokens=CALIBRATION_OUTPUT_TOKENS)
     document = calibrate.calibration_to_json(resolved, calibration)
     written = workdir / "calibration.json"
