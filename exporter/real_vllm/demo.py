@@ -89,8 +89,8 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
     # The setup calibrated against is the one the daemon will resolve from its config.
     resolved = config_from_mapping(daemon_config("127.0.0.1:0", args.poll_interval, model_path, None,
                                                  server.metrics_url)).deployments[0].resolved
-    # Both points long: this CPU's per-step cost skews a 256-token one past calibrate's 15% agreement
-    # (tests/test_real_vllm_calibration.py).
+    # Both points long: this CPU reads the weights faster than the KV, so a short point reads fast and
+    # 1,500 with 7,000 once spread past calibrate's 15% agreement (tests/test_real_vllm_calibration.py).
     print("2. calibrating as `stepbudget calibrate --url` does: one stream alone at 3,000 and 7,000 tokens",
           flush=True)
     calibration = calibrate.calibrate_live(server.base_url, resolved.setup, model_name=settings.served_model_name,
