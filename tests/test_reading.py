@@ -12,6 +12,7 @@ import pytest
 from exporter.capacity import model
 from exporter.serve.config import Deployment, config_from_mapping
 from exporter.serve.discovery import Target
+from exporter.serve.online_calibration import windows_from_readings
 from exporter.serve.reading import IDLE_CONTEXT_TOKENS, derive_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window
@@ -200,3 +201,33 @@ def test_replace_reading_builds_what_dataclasses_replace_builds() -> None:
     assert copied is not reading and reading.target_up is True and reading.notes != ("a note",)
     with pytest.raises(TypeError, match="no_such_field"):
         replace_reading(reading, no_such_field=1)
+
+
+def test_error_compares_the_measured_mean_with_the_windows_load_not_its_end() -> None:
+    """Long sessions finish mid-window: the measured mean is over steps that mostly held the start's
+    tokens, the poll reads the end's. The exported prediction is the end's (the next steps' load);
+    the error is for the window's load, the mean of its two ends. The online fit's window keeps the
+    end's load, as a window read back from Prometheus after a restart has it."""
+    d = deployment()
+    start = snapshot(requests_running=20, tokens_in_flight=40000)
+    end = snapshot(requests_running=10, tokens_in_flight=10000)
+    window_of = Window(measured_step_mean_seconds=0.05, measured_step_median_seconds=None,
+                       prefill_tokens_per_step=0.0, tokens_generated=None, counter_reset=False, notes=(),
+                       start=start)
+    reading = derive_reading(d, TARGET, end, window_of, now_seconds=1000.0, scrape_duration_seconds=0.1)
+    # Memory-bound at both ends (20 decode tokens are far under the H100's compute roof).
+    at_start = (WEIGHTS + KV_PER_TOKEN * 40000) / 2e12
+    at_end = (WEIGHTS + KV_PER_TOKEN * 10000) / 2e12
+    assert reading.predicted_step_seconds == pytest.approx(at_end)
+    assert reading.window_predicted_step_seconds == pytest.approx((at_start + at_end) / 2)
+    assert reading.prediction_error_ratio == pytest.approx(((at_start + at_end) / 2 - 0.05) / 0.05)
+    (window,) = [w for _, w in windows_from_readings([reading], 1000.0)["chat"]]
+    assert (window.tokens_in_flight, window.running) == (10000, 10)
+
+
+def test_a_first_window_without_its_start_is_predicted_at_the_end() -> None:
+    reading = derive_reading(deployment(), TARGET, snapshot(requests_running=10, tokens_in_flight=10000),
+                             window(mean=0.02), now_seconds=1000.0, scrape_duration_seconds=0.1)
+    at_end = (WEIGHTS + KV_PER_TOKEN * 10000) / 2e12
+    assert reading.window_predicted_step_seconds == pytest.approx(at_end)
+    assert reading.prediction_error_ratio == pytest.approx((at_end - 0.02) / 0.02)

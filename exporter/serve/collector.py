@@ -124,7 +124,9 @@ PER_TARGET: tuple[PerTarget, ...] = (
               "Upper edge of the ITL bucket the window's median lies in: at least half of the window's "
               "inter-token latencies are at or under it (absent when the median is in the +Inf bucket).",
               _field("measured_step_median_upper_seconds")),
-    PerTarget("stepbudget_prediction_error_ratio", "gauge", "(predicted - measured) / measured step time.",
+    PerTarget("stepbudget_prediction_error_ratio", "gauge",
+              "(predicted - measured) / measured step time over the window (predicted for its load: the mean of "
+              "its two ends).",
               _field("prediction_error_ratio")),
     PerTarget("stepbudget_predicted_user_tokens_per_second", "gauge",
               "Predicted decode speed of every stream: tokens per step / predicted step time.",

@@ -605,6 +605,10 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
         if not reading.target_up or reading.measured_step_seconds is None or reading.tokens_in_flight is None \
                 or reading.requests_running is None:
             continue  # down, no window yet, or a server-wide series (no tokens of its own)
+        # The load at the window's end, as a window read back from Prometheus has it (online_seed):
+        # one fit from live and seeded windows alike. Huber weights take care of the windows where the
+        # load jumped; the mean of both ends (the prediction error's) narrows the load's spread, which
+        # the fit needs to tell the terms apart.
         window = FitWindow(reading.last_success_timestamp_seconds or now_seconds, reading.tokens_in_flight,
                            reading.requests_running, reading.prefill_tokens_per_step or 0.0,
                            reading.measured_step_seconds, fit_mix(reading.prefill_mix), reading.kv_cache_dtype,

@@ -118,7 +118,9 @@ def windows_from_prometheus(url: str, deployment: str, start: float, end: float,
     The series are joined on every label but the families' own (instance and job included): two
     daemons exporting one engine (a rolling restart) are two sources, never mixed. A range query
     repeats a sample at every step until the next one arrives: a window equal to the engine's
-    previous one is that repeat, and left out."""
+    previous one is that repeat, and left out. Each window carries the load at its end, as the
+    daemon's own windows do (a query step coarser than the polls skips windows: the sample before
+    need not be this window's start)."""
     if not end > start:
         return History([])
     step = max(step_seconds, (end - start) / MAX_POINTS_PER_SERIES)

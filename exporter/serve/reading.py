@@ -9,6 +9,7 @@ never shown as a valid 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -97,6 +98,10 @@ class Reading:
     measured_step_median_lower_seconds: float | None = None
     measured_step_median_upper_seconds: float | None = None
     prediction_error_ratio: float | None = None
+    # The step predicted for the window the measured step covers (not exported): the mean of the
+    # predictions at its two ends (`_window_start_load`). The error sets it beside the measured mean;
+    # the exported prediction is the end's, the load the next steps run.
+    window_predicted_step_seconds: float | None = None
     predicted_user_tokens_per_second: float | None = None
     # Speculative decoding: tokens each stream gets per engine step (1 without it; Window.tokens_per_step),
     # and the per-user speed the measured step gives: tokens per step / measured step.
@@ -344,26 +349,33 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         reading = replace_reading(reading, token_budget_tokens=_token_budget(setup, budget_seconds, tokens, running),
                                   notes=tuple(notes))
         return replace_reading(reading, lacking=_lacking(reading, snapshot))
-    groups = model.groups_from_total(tokens, running)
     # Draft tokens are verified in the step: query tokens beside one per request, in its GEMMs (on a
     # memory-bound step they add little; attention reads the same KV once for all of a request's queries).
     drafts = (window.draft_tokens_per_step or 0.0) if window is not None else 0.0
-    prediction = model.predict_step(setup, groups, (prefill or 0.0) + drafts)
-    predicted = prediction.step_seconds
-    if prefill_mix:
-        # The mean of the window's steps, not the step at the mean prefill (DESIGN §2).
-        predicted = model.predict_mean_step(setup, groups, [(tokens + drafts, share) for tokens, share in prefill_mix])
+    prediction = model.predict_step(setup, model.groups_from_total(tokens, running), (prefill or 0.0) + drafts)
+    predicted = _predicted_mean_step(setup, tokens, running, prefill or 0.0, drafts, prefill_mix)
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
-    window_bytes = _window_read_bytes(setup, window, prediction, prefill or 0.0) if server_bytes else None
+    start = _window_start_load(setup, window)
+    window_predicted, window_bytes = predicted, prediction.read_bytes
+    if start is not None:
+        start_tokens, start_running = start
+        window_predicted = (_predicted_mean_step(setup, start_tokens, start_running, prefill or 0.0, drafts,
+                                                 prefill_mix) + predicted) / 2.0
+        first = model.predict_step(setup, model.groups_from_total(start_tokens, start_running), prefill or 0.0)
+        # Exact where bytes grow linearly with the tokens in flight, as they do while every request adds
+        # one token a step.
+        window_bytes = (first.read_bytes + prediction.read_bytes) / 2.0
     reading = replace_reading(
         reading,
         step_read_bytes=prediction.read_bytes,
-        step_read_bytes_ratio=window_bytes / server_bytes if window_bytes is not None and server_bytes else None,
+        # Our bytes per step over the window beside the server's sum over the same steps.
+        step_read_bytes_ratio=window_bytes / server_bytes if start is not None and server_bytes else None,
         predicted_step_seconds=predicted,
         predicted_memory_step_seconds=prediction.memory_seconds,
         predicted_compute_step_seconds=prediction.compute_seconds,
         predicted_user_tokens_per_second=per_step / predicted,
-        prediction_error_ratio=(predicted - measured_mean) / measured_mean if measured_mean else None,
+        window_predicted_step_seconds=window_predicted,
+        prediction_error_ratio=(window_predicted - measured_mean) / measured_mean if measured_mean else None,
         token_budget_tokens=token_budget,
         token_budget_utilization_ratio=tokens / token_budget if token_budget else None,
         notes=tuple(notes),
@@ -389,21 +401,31 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
     return replace_reading(asleep, lacking=_lacking(asleep, snapshot))
 
 
-def _window_read_bytes(setup: model.ServingSetup, window: Window | None, end: model.StepPrediction,
-                       prefill_tokens_per_step: float) -> float | None:
-    """Our bytes read per step over the window, to set beside the server's sum over the same steps:
-    the mean of our predictions at the window's two ends (exact where bytes grow linearly with the
-    tokens in flight, as they do while every request adds one token a step)."""
+def _predicted_mean_step(setup: model.ServingSetup, tokens: float, running: float, prefill: float, drafts: float,
+                         prefill_mix: Sequence[tuple[float, float]] | None) -> float:
+    """The mean step of a load over a window's steps: with the window's prefill mix, the mean of its
+    steps, not the step at the mean prefill (DESIGN §2)."""
+    groups = model.groups_from_total(tokens, running)
+    if prefill_mix:
+        return model.predict_mean_step(setup, groups, [(part + drafts, share) for part, share in prefill_mix])
+    return model.predict_step(setup, groups, prefill + drafts).step_seconds
+
+
+def _window_start_load(setup: model.ServingSetup, window: Window | None) -> tuple[float, float] | None:
+    """(tokens in flight, running requests) at the window's first snapshot; None where unknown.
+
+    The measured step is the mean over the window's tokens, while the end's load is what the poll
+    reads: when long sessions finish mid-window, the end holds a third fewer tokens than most of the
+    window's steps ran with (a real vLLM, benchmarks/results/real_vllm_online.md: a 97 ms window
+    predicted at the end's 15,200 tokens, -37%, where its start held 21,300). The mean of the two ends
+    is exact while the load changes at a steady rate, and much closer than either end when it jumps."""
     start = window.start if window is not None else None
     if start is None:
         return None
     unused: list[str] = []  # the start's notes were said when it was the current poll
     running = _valid(start.requests_running, "requests_running", unused)
     tokens = _occupancy(setup, start, running, unused).tokens_in_flight
-    if tokens is None or running is None:
-        return None
-    first = model.predict_step(setup, model.groups_from_total(tokens, running), prefill_tokens_per_step)
-    return (first.read_bytes + end.read_bytes) / 2.0
+    return None if tokens is None or running is None else (tokens, running)
 
 
 def server_wide_reading(readings: list[Reading], window: Window | None) -> Reading | None:
@@ -425,8 +447,6 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     with their own tokens and running requests, are what the online fit learns from (`ranks`;
     online_calibration.windows_from_readings): the server-wide sums cannot be fitted, each engine
     reading the weights itself, not once for all."""
-    ranks = [(r.requests_running, r.predicted_step_seconds) for r in readings
-             if r.predicted_step_seconds and r.requests_running]
     if not readings:
         return None
     first = readings[0]
@@ -435,16 +455,17 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
     if window is not None:
         measured = window.measured_step_mean_seconds or None
         median = _median(window)
-    predicted = None
-    if ranks:
-        token_rate = sum(running / step for running, step in ranks)
-        predicted = sum(running for running, _ in ranks) / token_rate
+    predicted = _server_wide_step([(r.requests_running, r.predicted_step_seconds) for r in readings])
+    # The error sets the measured mean beside the engines' predictions for the window's load.
+    window_predicted = _server_wide_step([(r.requests_running, r.window_predicted_step_seconds) for r in readings])
     shares: tuple[Reading, ...] = ()
     # Only when every engine that generates tokens has a prediction: another engine's tokens are in the
-    # measured mean too, and no share could be told for it.
-    if predicted and measured and len(ranks) == sum(1 for r in readings if r.requests_running):
+    # measured mean too, and no share could be told for it. Shared by the end's predictions, as the
+    # engines' fit windows carry the end's load (online_calibration.windows_from_readings).
+    generating = [r for r in readings if r.requests_running]
+    if predicted and measured and all(r.predicted_step_seconds for r in generating):
         shares = tuple(replace_reading(r, measured_step_seconds=measured * r.predicted_step_seconds / predicted)
-                       for r in readings if r.predicted_step_seconds and r.requests_running)
+                       for r in generating if r.predicted_step_seconds)
     return Reading(
         deployment=first.deployment, target=first.target, model_name=first.model_name, engine="",
         namespace=first.namespace, pod=first.pod, target_up=True,
@@ -452,13 +473,22 @@ def server_wide_reading(readings: list[Reading], window: Window | None) -> Readi
         last_success_timestamp_seconds=first.last_success_timestamp_seconds,
         predicted_step_seconds=predicted, measured_step_seconds=measured, measured_step_median_seconds=median[0],
         measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
-        prediction_error_ratio=(predicted - measured) / measured if predicted and measured else None,
+        window_predicted_step_seconds=window_predicted,
+        prediction_error_ratio=(window_predicted - measured) / measured if window_predicted and measured else None,
         predicted_user_tokens_per_second=(first.tokens_per_step or 1.0) / predicted if predicted else None,
         tokens_per_step=first.tokens_per_step,
         step_budget_seconds=first.step_budget_seconds, kind=first.kind,
         notes=("server-wide: the ITL histogram has no engine label; prediction weighted by each engine's token rate",),
         ranks=shares,
     )
+
+
+def _server_wide_step(ranks: Sequence[tuple[float | None, float | None]]) -> float | None:
+    """The mean step a server-wide ITL histogram shows for engines of (running, step): R / sum(n_i / t_i)."""
+    known = [(running, step) for running, step in ranks if running and step]
+    if not known:
+        return None
+    return sum(running for running, _ in known) / sum(running / step for running, step in known)
 
 
 def _tokens_per_step(snapshot: Snapshot, window: Window | None) -> float:
