@@ -482,6 +482,11 @@ def test_the_mean_step_over_a_prefill_mix_is_the_mean_of_its_steps_by_hand() -> 
     assert got > step(1056) * (1 + 0.05)
     # An empty mix is the decode step alone.
     assert model.predict_mean_step(setup, [RequestGroup(40, 2000)], ()) == pytest.approx(step(0), rel=1e-12)
+    # From a prediction already made with the window's mean prefill (what a reading has at hand), the
+    # same mean, and the same decode step for an empty mix: that prefill changed only its GEMM phase.
+    at_mean = model.predict_step(setup, [RequestGroup(40, 2000)], 1056.0)
+    assert model.mean_step_over_mix(setup, at_mean, mix) == pytest.approx(expected, rel=1e-12)
+    assert model.mean_step_over_mix(setup, at_mean, ()) == pytest.approx(step(0), rel=1e-12)
 
 
 def test_the_mean_step_matches_predict_step_bucket_by_bucket_for_moe() -> None:

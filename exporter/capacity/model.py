@@ -464,14 +464,19 @@ def predict_mean_step(
     few steps carrying big prefill chunks cost more than the same tokens spread evenly over every
     step. The mean of the steps is the mean ITL a server shows, not the step at the mean prefill.
     """
-    decode = predict_step(setup, groups)
+    return mean_step_over_mix(setup, predict_step(setup, groups), prefill_mix)
+
+
+def mean_step_over_mix(setup: ServingSetup, step: StepPrediction, prefill_mix: Sequence[tuple[float, float]]
+                       ) -> float:
+    """predict_mean_step from a prediction already made for the same requests (`step`, with any
+    prefill tokens of unknown context): those change only its GEMM phase, so the rest of the step is
+    taken from it once (this runs on every reading, over every bucket of the window's mix)."""
+    rest = step.step_seconds - step.gemm_seconds
     total_share = sum(share for _, share in prefill_mix)
     if not prefill_mix or total_share <= 0:
-        return decode.step_seconds
-    # Prefill tokens of unknown context change only the GEMM phase: the rest of the step is computed
-    # once (this runs on every reading, over every bucket of the window's mix).
-    rest = decode.step_seconds - decode.gemm_seconds
-    return sum((rest + max(_gemm_phase(setup, decode.decode_tokens + tokens)[1:])) * share
+        return rest + max(_gemm_phase(setup, step.decode_tokens)[1:])
+    return sum((rest + max(_gemm_phase(setup, step.decode_tokens + tokens)[1:])) * share
                for tokens, share in prefill_mix) / total_share
 
 

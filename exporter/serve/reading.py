@@ -352,16 +352,14 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     # Draft tokens are verified in the step: query tokens beside one per request, in its GEMMs (on a
     # memory-bound step they add little; attention reads the same KV once for all of a request's queries).
     drafts = (window.draft_tokens_per_step or 0.0) if window is not None else 0.0
-    prediction = model.predict_step(setup, model.groups_from_total(tokens, running), (prefill or 0.0) + drafts)
-    predicted = _predicted_mean_step(setup, tokens, running, prefill or 0.0, drafts, prefill_mix)
+    prediction, predicted = _predicted_load(setup, tokens, running, prefill or 0.0, drafts, prefill_mix)
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
-    start = _window_start_load(setup, window)
-    window_predicted, window_bytes = predicted, prediction.read_bytes
+    # The window's start, only where a measurement is set beside it (this runs on every poll of every target).
+    start = _window_start_load(setup, window) if measured_mean or server_bytes else None
+    window_predicted, window_bytes = predicted, None
     if start is not None:
-        start_tokens, start_running = start
-        window_predicted = (_predicted_mean_step(setup, start_tokens, start_running, prefill or 0.0, drafts,
-                                                 prefill_mix) + predicted) / 2.0
-        first = model.predict_step(setup, model.groups_from_total(start_tokens, start_running), prefill or 0.0)
+        first, at_start = _predicted_load(setup, *start, prefill or 0.0, drafts, prefill_mix)
+        window_predicted = (at_start + predicted) / 2.0
         # Exact where bytes grow linearly with the tokens in flight, as they do while every request adds
         # one token a step.
         window_bytes = (first.read_bytes + prediction.read_bytes) / 2.0
@@ -369,7 +367,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         reading,
         step_read_bytes=prediction.read_bytes,
         # Our bytes per step over the window beside the server's sum over the same steps.
-        step_read_bytes_ratio=window_bytes / server_bytes if start is not None and server_bytes else None,
+        step_read_bytes_ratio=window_bytes / server_bytes if window_bytes is not None and server_bytes else None,
         predicted_step_seconds=predicted,
         predicted_memory_step_seconds=prediction.memory_seconds,
         predicted_compute_step_seconds=prediction.compute_seconds,
@@ -401,14 +399,14 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
     return replace_reading(asleep, lacking=_lacking(asleep, snapshot))
 
 
-def _predicted_mean_step(setup: model.ServingSetup, tokens: float, running: float, prefill: float, drafts: float,
-                         prefill_mix: Sequence[tuple[float, float]] | None) -> float:
-    """The mean step of a load over a window's steps: with the window's prefill mix, the mean of its
-    steps, not the step at the mean prefill (DESIGN §2)."""
-    groups = model.groups_from_total(tokens, running)
-    if prefill_mix:
-        return model.predict_mean_step(setup, groups, [(part + drafts, share) for part, share in prefill_mix])
-    return model.predict_step(setup, groups, prefill + drafts).step_seconds
+def _predicted_load(setup: model.ServingSetup, tokens: float, running: float, prefill: float, drafts: float,
+                    prefill_mix: Sequence[tuple[float, float]] | None) -> tuple[model.StepPrediction, float]:
+    """A load's step at the window's mean prefill, and the mean of the window's steps: with its
+    prefill mix, the mean over the mix, not the step at the mean prefill (DESIGN §2)."""
+    step = model.predict_step(setup, model.groups_from_total(tokens, running), prefill + drafts)
+    if not prefill_mix:
+        return step, step.step_seconds
+    return step, model.mean_step_over_mix(setup, step, [(part + drafts, share) for part, share in prefill_mix])
 
 
 def _window_start_load(setup: model.ServingSetup, window: Window | None) -> tuple[float, float] | None:
