@@ -158,11 +158,6 @@ def _starts(polls: list[dict[str, object]], windows: list[FitWindow]) -> list[Fi
     return starts
 
 
-def _window_means(ends: list[float], starts: list[float]) -> list[float]:
-    """The step predicted for each window: the mean of its two ends' (the daemon's prediction error)."""
-    return [(end + start) / 2 for end, start in zip(ends, starts, strict=True)]
-
-
 def _deployment() -> Deployment:
     """The benchmark daemon's deployment, resolved as its config resolves (no target is polled)."""
     config = config_from_mapping({"deployments": [{
@@ -203,10 +198,11 @@ def refits(polls: list[dict[str, object]]) -> str:
         if fit.parameters is None:
             lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | |")
             continue
-        predicted = _window_means(fitted_step_seconds(fit_seed, evaluated, fit.parameters),
-                                  fitted_step_seconds(fit_seed, starts, fit.parameters))
-        error = statistics.median(abs(f / w.measured_step_seconds - 1)
-                                  for f, w in zip(predicted, evaluated, strict=True))
+        # Each window scored as the daemon scores it: against the mean of its two ends' predictions.
+        ends = fitted_step_seconds(fit_seed, evaluated, fit.parameters)
+        at_starts = fitted_step_seconds(fit_seed, starts, fit.parameters)
+        error = statistics.median(abs((end + at_start) / 2 / w.measured_step_seconds - 1)
+                                  for end, at_start, w in zip(ends, at_starts, evaluated, strict=True))
         lines.append(f"| {label} | {fit.windows_used} | {fit.parameters.bandwidth_bytes_per_second / 1e9:.2f} GB/s | "
                      f"{fit.parameters.step_overhead_seconds * 1e3:.2f} ms | "
                      f"{fit.parameters.per_request_seconds * 1e6:.0f} us | {error:.1%} |")

@@ -18,7 +18,6 @@ step = a + b x running + c x tokens in flight for real_vllm_step_cost.md.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.scale import free_port  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator  # after sys.path
 from exporter.real_vllm.server import VllmServer, VllmSettings, start  # after sys.path
+from exporter.serve.engines import read_page  # after sys.path
 
 RESULTS = REPO / "benchmarks" / "results"
 OUTPUT_TOKENS = 260  # each stream's output: past the 4 s span at every load here
@@ -38,13 +38,13 @@ SPAN_SECONDS = 4.0
 # four streams from 2,400 to 30,400 tokens in flight (the cache holds 32,768), then eight.
 LOADS = [(1, 3000), (2, 3000), (1, 6000), (4, 500), (4, 1500), (4, 3000), (4, 4500), (4, 6000), (4, 7500),
          (8, 1500), (8, 3000)]
-_ITL = re.compile(r"^vllm:inter_token_latency_seconds_(sum|count)\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 def _itl(server: VllmServer) -> tuple[float, float]:
-    """(sum, count) of the server's ITL histogram."""
-    found = {kind: float(value) for kind, value in _ITL.findall(server.metrics_text())}
-    return found["sum"], found["count"]
+    """(sum, count) of the server's ITL histogram, read as the daemon reads the page."""
+    (snapshot,) = read_page(server.metrics_text(), "vllm").snapshots
+    assert snapshot.inter_token_latency is not None, "the page has no ITL histogram"
+    return snapshot.inter_token_latency.sum, snapshot.inter_token_latency.count
 
 
 def measure(server: VllmServer, load: LoadGenerator, streams: int, context_tokens: int) -> dict[str, float]:
