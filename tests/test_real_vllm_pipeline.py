@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from exporter.capacity import model
 from exporter.real_vllm.drive import PollRecord, RecordingPoller, Step, drive, dump_run
 from exporter.real_vllm.loadgen import LoadGenerator, Phase, Stream
 from exporter.real_vllm.server import VllmServer
 from exporter.serve.alerting import AlertLoop
-from exporter.serve.config import Alerting, config_from_mapping
+from exporter.serve.config import Alerting, Deployment, config_from_mapping
+from exporter.serve.reading import page_setup
 from tests.support.real_vllm import BLOCK_SIZE_TOKENS, HOST_DEVICE, MODEL_CONFIG, serving
 
 pytestmark = pytest.mark.real_engine
@@ -56,6 +58,7 @@ class Run:
     server: VllmServer
     load: LoadGenerator
     polls: list[PollRecord]
+    deployment: Deployment
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         try:
             polls = drive(recorder, load, SCRIPT, POLL_SECONDS)
             dump_run(log_dir / "run.json", polls, load)
-            yield Run(server, load, polls)
+            yield Run(server, load, polls, config.deployments[0])
         finally:
             load.stop_all()
             load.join(60)
@@ -321,6 +324,32 @@ def test_prefill_per_step_is_the_computed_prompt_tokens_over_the_steps(run: Run)
         assert after.reading.prefill_tokens_per_step == pytest.approx(prompt_tokens / steps, rel=0.01, abs=0.01)
         checked += prompt_tokens > 0
     assert checked >= 3
+
+
+def test_the_error_of_a_draining_window_is_for_the_load_it_held_not_its_end(run: Run) -> None:
+    """Where requests finish inside a window, its steps ran with more tokens than its end holds: the
+    prediction error sets the measured mean beside the mean of the predictions at the window's two
+    ends, the start's from the previous real page (the daemon's reading of it), with this window's
+    prefill. The exported prediction stays the end's."""
+    (setup, _) = run.deployment.predicting_setup()  # online calibration is off: the seed throughout
+    draining = 0
+    for before, after in _windows(run):
+        reading, start = after.reading, before.reading
+        if not (reading.measured_step_seconds and reading.requests_running and start.requests_running
+                and start.tokens_in_flight and reading.tokens_in_flight is not None
+                and reading.tokens_in_flight < start.tokens_in_flight * 2 / 3):
+            continue
+        draining += 1
+        window_setup = page_setup(setup, after.snapshot.kv_cache_dtype, after.snapshot.block_size_tokens)
+        groups = model.groups_from_total(start.tokens_in_flight, start.requests_running)
+        at_start = (model.predict_mean_step(window_setup, groups, reading.prefill_mix) if reading.prefill_mix
+                    else model.predict_step(window_setup, groups, reading.prefill_tokens_per_step or 0.0).step_seconds)
+        assert reading.predicted_step_seconds is not None and at_start > reading.predicted_step_seconds
+        expected = (at_start + reading.predicted_step_seconds) / 2
+        assert reading.window_predicted_step_seconds == pytest.approx(expected, rel=1e-9)
+        assert reading.prediction_error_ratio == pytest.approx(
+            (expected - reading.measured_step_seconds) / reading.measured_step_seconds, rel=1e-9)
+    assert draining >= 1  # the drain after the long sessions, and the overload's batches ending
 
 
 def test_an_overloaded_cache_preempts_and_the_reading_counts_it(run: Run) -> None:
