@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 import pytest
 import structlog
@@ -600,6 +601,49 @@ def test_stopping_mid_cycle_logs_one_line_not_a_traceback_per_target(clock: Manu
     assert [line for line in logs if line["event"] == "poll_target_crashed"] == []
     (abandoned,) = [line for line in logs if line["event"] == "poll_cycle_abandoned"]
     assert abandoned["targets_not_polled"] == queued
+    assert results[0].readings == () and poller.readings() == ()
+
+
+def test_a_cycle_whose_worker_still_waits_for_a_thread_when_stop_comes_ends(clock: ManualClock,
+                                                                            make_poller: MakePoller) -> None:
+    """stop() cancels the fetch workers still queued for one of the pool's threads, and the cycle must
+    still end: concurrent.futures.wait() never counts a future cancelled that way as done, and a CI run
+    hung at exit on a poll in flight at shutdown. The pool is held full here (reaching into the Poller
+    for it) so that the cycle's one worker must queue; a spy on the pool's submit says when it has."""
+    from exporter.serve.poller import MAX_FETCH_WORKERS
+
+    poller = make_poller(make_config(["http://127.0.0.1:1/metrics"]), clock,
+                         fetch=lambda url, *, bearer_token, tls: busy_page())
+    pool = poller._executor
+    holding, release = threading.Semaphore(0), threading.Event()
+
+    def hold() -> None:
+        holding.release()
+        release.wait(timeout=10)
+
+    for _ in range(MAX_FETCH_WORKERS):
+        pool.submit(hold)
+    for _ in range(MAX_FETCH_WORKERS):
+        assert holding.acquire(timeout=10)
+    queued, submit = threading.Event(), pool.submit
+
+    def submit_and_tell(*args: Any, **kwargs: Any) -> Any:
+        future = submit(*args, **kwargs)
+        queued.set()
+        return future
+
+    pool.submit = submit_and_tell  # type: ignore[method-assign]  # a spy over the pool's own submit, for this test
+    results = []
+    with capture_logs() as logs:
+        cycle = threading.Thread(target=lambda: results.append(poller.poll_once()), daemon=True)
+        cycle.start()
+        assert queued.wait(timeout=10)
+        poller.stop()
+        release.set()
+        cycle.join(timeout=10)
+    assert not cycle.is_alive(), "the cycle waits forever on the worker stop() cancelled"
+    (abandoned,) = [line for line in logs if line["event"] == "poll_cycle_abandoned"]
+    assert abandoned["targets_not_polled"] == 1
     assert results[0].readings == () and poller.readings() == ()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import heapq
 import itertools
 import socket
@@ -610,7 +611,15 @@ class Poller:
                     and time.process_time() - cpu_started < 0.8 * elapsed):
                 add(len(workers))
                 grown = now
-        concurrent.futures.wait(workers)
+        for worker in workers:
+            # Each future's own result, not concurrent.futures.wait(): stop() cancels the workers still
+            # queued for a thread (shutdown(cancel_futures=True), CPython 3.11 Lib/concurrent/futures/
+            # thread.py l. 216-228), and wait() counts a future done only once a worker has dequeued it
+            # and marked it CANCELLED_AND_NOTIFIED (_base.py l. 290-291, 521-524), which never comes to
+            # one drained from the queue. A poll in flight at shutdown then waited forever, and held the
+            # process's exit with it (CI, 2026-12-02). result() wakes on cancel() (_base.py l. 377-378).
+            with contextlib.suppress(concurrent.futures.CancelledError):
+                worker.result()
         return polled
 
     def _read_sources(self) -> list[SourceAnswer]:
