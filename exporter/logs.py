@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from http.server import ThreadingHTTPServer
 from typing import IO, Any
 
 import structlog
@@ -52,6 +53,34 @@ class EveryMinuteAtMost(logging.Filter):
             record.args = None
         self._last, self._held = now, 0
         return True
+
+
+# A client that resets or drops its connection mid-request or between keep-alive requests: routine
+# (a scraper closing its connection, a load generator stopped), not a fault of the server.
+_DISCONNECTS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+_http_log = structlog.get_logger("stepbudget.http")
+
+
+class StructuredHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer whose request errors are log lines. socketserver's own handle_error prints
+    a raw traceback to stderr for any error while a request is handled (CPython 3.11
+    Lib/socketserver.py l. 371-383), a client resetting its keep-alive connection included: lines of
+    traceback in a JSON log stream, for something routine. Here a disconnect is one debug line, and
+    anything else one error line with its traceback."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        client = f"{client_address[0]}:{client_address[1]}"  # (host, port), or IPv6's (host, port, flow, scope)
+        if isinstance(error, _DISCONNECTS):
+            # Where logging is configured (the daemon) this is hidden at the default INFO. A process that
+            # never configures it (stepbudget simulate, the demo) gets structlog's default, which prints
+            # every level to stdout: there a routine disconnect is no line at all.
+            if structlog.is_configured():
+                _http_log.debug("client_disconnected", client=client, reason=f"{type(error).__name__}: {error}")
+        else:
+            _http_log.exception("http_request_failed", client=client)
 
 
 def say_tls_verification_is_off(logger: Any, target: str) -> None:

@@ -12,7 +12,7 @@ import html
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import structlog
 from prometheus_client import CollectorRegistry, generate_latest
@@ -20,6 +20,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from exporter import __version__
+from exporter.logs import StructuredHTTPServer
 from exporter.serve.exposition_writer import render_openmetrics, render_text
 
 log = structlog.get_logger("stepbudget.server")
@@ -146,8 +147,7 @@ class StepBudgetServer:
             ("GET", "/-/ready"): self._ready_route,
             ("GET", "/"): self._landing,
         }
-        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._httpd.daemon_threads = True
+        self._httpd = StructuredHTTPServer((host, port), _make_handler(self))
         self._thread: threading.Thread | None = None
 
     @property

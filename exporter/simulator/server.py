@@ -17,12 +17,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from exporter.errors import InputError
+from exporter.logs import StructuredHTTPServer
 from exporter.simulator.engine import ServerSpec, SimRequest, Simulator
 from exporter.simulator.scenarios import Scenario
 
@@ -268,8 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-class _SimulatorHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+class _SimulatorHTTPServer(StructuredHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], engine: PacedEngine, access_log: bool) -> None:
