@@ -17,7 +17,7 @@ import pytest
 from exporter.capacity import model
 from exporter.serve.config import config_from_mapping
 from exporter.serve.online_calibration import Bounds, FitWindow, Parameters, fit_windows, windows_from_readings
-from exporter.serve.reading import Reading, server_wide_reading
+from exporter.serve.reading import Reading, page_setup, server_wide_reading
 from exporter.serve.window import Window
 from tests.support.clocks import ManualClock
 from tests.support.pollers import MakePoller
@@ -64,6 +64,25 @@ def test_a_genuine_dp2_page_gives_the_fit_one_window_per_rank(page_server: PageS
     assert share["0"] / share["1"] == pytest.approx(first / second, rel=1e-9) and first > second
     # The engines' own series still export no measured step (the histogram is not theirs).
     assert all(readings[engine].measured_step_seconds is None for engine in engines)
+
+    # The server-wide error is for the window's load, as an engine's own is: each rank predicted at the
+    # first page's tokens and requests and at the second's (what was fed), the mean of the two,
+    # combined as the histogram combines the ranks' steps.
+    (setup, _) = config.deployments[0].predicting_setup()
+    starts = fed["phases"][0]["engines"]
+
+    def at(values: dict[str, float], engine: str) -> float:
+        reading = readings[engine]
+        ends_setup = page_setup(setup, reading.kv_cache_dtype, reading.block_size_tokens)
+        groups = model.groups_from_total(values["tokens_in_flight"], values["requests_running"])
+        return model.predict_step(ends_setup, groups, reading.prefill_tokens_per_step or 0.0).step_seconds
+
+    assert all(readings[engine].prefill_mix is None for engine in engines)
+    windows_steps = {engine: (at(starts[engine], engine) + at(values, engine)) / 2
+                     for engine, values in engines.items()}
+    assert all(windows_steps[e] < at(engines[e], e) for e in engines)  # both ranks grew over the window
+    whole_window = running / sum(engines[e]["requests_running"] / windows_steps[e] for e in engines)
+    assert readings[""].prediction_error_ratio == pytest.approx((whole_window - mean) / mean, rel=1e-9)
 
 
 def _window(measured_step_seconds: float) -> Window:

@@ -354,8 +354,11 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     drafts = (window.draft_tokens_per_step or 0.0) if window is not None else 0.0
     prediction, predicted = _predicted_load(setup, tokens, running, prefill or 0.0, drafts, prefill_mix)
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
-    # The window's start, only where a measurement is set beside it (this runs on every poll of every target).
-    start = _window_start_load(setup, window) if measured_mean or server_bytes else None
+    # The window's start, only where a measurement is set beside it (this runs on every poll of every
+    # target): this engine's measured step, the server-wide one its prediction is combined into
+    # (server_wide_reading), or the server's bytes.
+    scored = measured_mean or server_bytes or (server_wide and window is not None and window.measured_step_mean_seconds)
+    start = _window_start_load(setup, window) if scored else None
     window_predicted, window_bytes = predicted, None
     if start is not None:
         first, at_start = _predicted_load(setup, *start, prefill or 0.0, drafts, prefill_mix)
