@@ -12,7 +12,6 @@ over HTTP every 3 s; every assertion compares its reading with the load generato
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,12 @@ from exporter.real_vllm.server import VllmServer
 from exporter.serve.alerting import AlertLoop
 from exporter.serve.config import Alerting, Deployment, config_from_mapping
 from exporter.serve.reading import page_setup
+from tests.support.client_truth import (
+    blocks,
+    check_an_exact_poll_in_each,
+    check_running_and_waiting,
+    check_tokens_in_flight,
+)
 from tests.support.real_vllm import BLOCK_SIZE_TOKENS, HOST_DEVICE, MODEL_CONFIG, serving
 
 pytestmark = pytest.mark.real_engine
@@ -51,6 +56,8 @@ SCRIPT = [
          seconds=60),
     Step(stop="overload", drain=True, label="overload"),
 ]
+STORY_PHASES = ("chat4", "chat16", "chat16+long")
+SIXTEEN_CHATS = ("chat16", "chat16+long")
 
 
 @dataclass
@@ -88,56 +95,10 @@ def _windows(run: Run) -> list[tuple[PollRecord, PollRecord]]:
     return list(zip(run.polls, run.polls[1:], strict=False))
 
 
-def _blocks(tokens: int) -> int:
-    return math.ceil(tokens / BLOCK_SIZE_TOKENS)
-
-
 def _in_prefill(stream: Stream, at_seconds: float) -> bool:
     """Sent, no token back yet, and more prompt than one step computes: its blocks fill chunk by chunk."""
     return (stream.running_at(at_seconds) and stream.generated_by(at_seconds) == 0
             and stream.prompt_tokens > CHUNK_TOKENS)
-
-
-def _unsettled(stream: Stream, at_seconds: float, margin_seconds: float = 0.3) -> bool:
-    """Whether the engine may or may not hold this request at `at_seconds`: sent but not yet back with a
-    first token (the front end admits it a moment after the client sent it), finished about then
-    (the engine frees its blocks in the step that ends it, a moment before the client reads the end),
-    or its delivery stalled then (`Stream.delivery_stalls`: the engine may have ended it meanwhile)."""
-    early, late = at_seconds - margin_seconds, at_seconds + margin_seconds
-    end = stream.finished_at_seconds
-    starting = stream.sent_at_seconds < late and (not stream.arrivals or stream.arrivals[0][0] > early)
-    return ((starting and (end is None or end > early)) or (end is not None and early <= end <= late)
-            or _stalled_about(stream, at_seconds, margin_seconds))
-
-
-def _stalled_about(stream: Stream, at_seconds: float, margin_seconds: float = 0.3) -> bool:
-    return any(start < at_seconds + margin_seconds and end > at_seconds - margin_seconds
-               for start, end in stream.delivery_stalls())
-
-
-def _held_tokens_bounds(streams: list[Stream], at_seconds: float) -> tuple[float, float]:
-    """What the page's used blocks may say, worked out from the clients: each running request holds
-    ceil(context / 128) blocks, and the daemon takes (128 - 1) / 2 of each last block as empty (once
-    per request the page counts as running). A request the clients cannot place (just starting, in
-    its prefill, or ending: `_unsettled`) may hold none of its blocks or all of them; the truth is
-    taken 0.3 s either side of the poll (a request crossing a block between the page and the clock)."""
-    low_blocks = high_blocks = 0
-    settled = unsettled = 0
-    for stream in streams:
-        if not (stream.running_at(at_seconds - 0.3) or stream.running_at(at_seconds + 0.3)):
-            continue
-        early = _blocks(stream.tokens_held_at(at_seconds - 0.3)) if stream.running_at(at_seconds - 0.3) else 0
-        late = _blocks(stream.tokens_held_at(at_seconds + 0.3)) if stream.running_at(at_seconds + 0.3) else 0
-        if _unsettled(stream, at_seconds):
-            unsettled += 1
-            high_blocks += max(early, late, _blocks(stream.prompt_tokens + stream.generated_by(at_seconds + 0.3)))
-        else:
-            settled += 1
-            low_blocks += min(early, late)
-            high_blocks += max(early, late)
-    empty = (BLOCK_SIZE_TOKENS - 1) / 2
-    return (low_blocks * BLOCK_SIZE_TOKENS - (settled + unsettled) * empty,
-            high_blocks * BLOCK_SIZE_TOKENS - settled * empty)
 
 
 def test_capacity_is_the_figure_vllm_logged_at_start(run: Run) -> None:
@@ -148,43 +109,21 @@ def test_capacity_is_the_figure_vllm_logged_at_start(run: Run) -> None:
 
 
 def test_tokens_in_flight_within_two_percent_of_what_the_clients_hold(run: Run) -> None:
-    """Every poll of the story's phases lies within 2% of the clients' bounds; where every request is
-    settled the bounds are one figure's block rounding apart, and such polls exist in every phase of
-    chats (the long sessions' phase churns too much to promise one: a 3,500-token prompt is in its
-    prefill for seconds, and 16 chats start or end about once a second)."""
-    exact_phases = []
-    for poll in run.polls:
-        reading, t = poll.reading, poll.at_seconds
-        # A waiting request may be one the engine preempted: it has streamed, holds no blocks, and the
-        # clients cannot tell. The overload phase is where that is meant to happen (its own test).
-        if poll.phase not in ("chat4", "chat16", "chat16+long") or reading.requests_waiting:
-            continue
-        low, high = _held_tokens_bounds(run.load.streams, t)
-        assert reading.tokens_in_flight is not None
-        assert low * 0.98 <= reading.tokens_in_flight <= high * 1.02, (poll.phase, t, reading.tokens_in_flight,
-                                                                       low, high)
-        if not any(_unsettled(s, t) for s in run.load.streams):
-            exact_phases.append(poll.phase)
-    assert {"chat4", "chat16"} <= set(exact_phases), exact_phases
+    """Every poll of the story's phases lies within 2% of the clients' bounds (tests/support/client_truth.py);
+    where every request is settled the bounds are one figure's block rounding apart, and such polls exist
+    with 4 chats and with 16, the long sessions' phase included: 16 chats start or end about once a second,
+    each unsettled 0.6 s or more about either, so few polls of 16 chats have them all settled: 1 of
+    chat16's 7 and 2 of chat16+long's 8 in the recorded CI run, none and 1 in another CI run. Not the
+    overload phase: a waiting request there may be one the engine preempted (its own test)."""
+    exact_phases = check_tokens_in_flight(run.polls, run.load.streams, STORY_PHASES)
+    check_an_exact_poll_in_each(exact_phases, ("chat4",), SIXTEEN_CHATS)
 
 
 def test_running_and_waiting_are_the_requests_the_clients_have_outstanding(run: Run) -> None:
-    """Between what the clients know for sure is in the engine (a token came back, the request has not
-    ended and its delivery is not stalled) and all they have outstanding (sent, not ended): the front
-    end holds a request a moment before the scheduler sees it, and the engine ends one a moment before
-    the client reads the end (seconds before, when its delivery stalls)."""
-    waited = False
-    for poll in run.polls:
-        reading, t = poll.reading, poll.at_seconds
-        assert reading.requests_running is not None and reading.requests_waiting is not None
-        assert reading.requests_running <= MAX_NUM_SEQS
-        in_engine = sum(1 for s in run.load.streams if s.arrivals and s.arrivals[0][0] < t - 0.3
-                        and (s.finished_at_seconds is None or s.finished_at_seconds > t + 0.3)
-                        and not _stalled_about(s, t))
-        outstanding = max(run.load.outstanding_at(t + offset) for offset in (-0.3, 0.0, 0.3))
-        assert in_engine <= reading.requests_running + reading.requests_waiting <= outstanding, (poll.phase, t)
-        waited = waited or (poll.phase == "overload" and reading.requests_waiting > 0)
-    assert waited, "9 requests of 1,810 tokens (135 blocks) in 127 usable blocks: one must wait at some poll"
+    check_running_and_waiting(run.polls, run.load.streams)
+    assert all((poll.reading.requests_running or 0) <= MAX_NUM_SEQS for poll in run.polls)
+    assert any(poll.phase == "overload" and poll.reading.requests_waiting for poll in run.polls), (
+        "9 requests of 1,810 tokens (135 blocks) in 127 usable blocks: one must wait at some poll")
 
 
 def _gaps_in_arrival_order(streams: list[Stream]) -> list[tuple[float, int, float]]:
@@ -354,7 +293,7 @@ def test_the_error_of_a_draining_window_is_for_the_load_it_held_not_its_end(run:
 
 def test_an_overloaded_cache_preempts_and_the_reading_counts_it(run: Run) -> None:
     # 9 x ceil((1,750 + 60) / 128) = 9 x 15 = 135 blocks are needed at the end, 128 - 1 exist.
-    needed_blocks = OVERLOAD_REQUESTS * _blocks(OVERLOAD_PROMPT_TOKENS + OVERLOAD_OUTPUT_TOKENS)
+    needed_blocks = OVERLOAD_REQUESTS * blocks(OVERLOAD_PROMPT_TOKENS + OVERLOAD_OUTPUT_TOKENS)
     assert needed_blocks > KV_CACHE_BLOCKS - 1
     before = [p.reading.preemptions_total for p in run.polls if p.phase == "drain"][-1]
     after = run.polls[-1].reading.preemptions_total
@@ -385,7 +324,7 @@ def test_no_page_while_every_window_measures_under_budget(run: Run) -> None:
     budget = run.polls[0].reading.step_budget_seconds
     assert budget is not None and budget == pytest.approx(0.9 / 6.0)  # headroom 0.9 at 6 tokens/s per user
     over_streak_seconds = 0.0
-    story = [(before, after) for before, after in _windows(run) if after.phase in ("chat4", "chat16", "chat16+long")]
+    story = [(before, after) for before, after in _windows(run) if after.phase in STORY_PHASES]
     assert len(story) >= 15
     for before, after in story:
         loop.evaluate([after.reading], after.at_seconds)

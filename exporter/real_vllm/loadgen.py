@@ -22,7 +22,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -105,6 +105,11 @@ class Stream:
         return stalls
 
 
+def outstanding_at(streams: Iterable[Stream], at_seconds: float) -> int:
+    """Of these streams, the requests sent and not finished at `at_seconds` (a run's, or one read back)."""
+    return sum(1 for stream in streams if stream.running_at(at_seconds))
+
+
 @dataclass(frozen=True)
 class Phase:
     """`concurrency` closed-loop clients, each sending requests of this shape back to back."""
@@ -154,7 +159,7 @@ class LoadGenerator:
 
     def outstanding_at(self, at_seconds: float) -> int:
         """Requests sent and not finished at `at_seconds`: the server's running plus waiting."""
-        return sum(1 for stream in self.streams if stream.running_at(at_seconds))
+        return outstanding_at(self.streams, at_seconds)
 
     def mean_gap_seconds(self, start_seconds: float, end_seconds: float) -> tuple[float | None, int]:
         """Token-weighted mean per-token gap over (start, end], and the tokens it is over."""
