@@ -48,11 +48,13 @@ def test_a_stall_before_the_first_token_starts_when_the_request_was_sent() -> No
 
 
 def test_a_chunk_of_several_tokens_is_one_event_and_counts_its_tokens() -> None:
-    # A front end behind the engine merges steps into one event of k tokens: no stall, k tokens, one gap.
-    stream = _stream([(1.0, 1), (1.02, 2), (1.10, 6), (1.12, 7)], finished_at_seconds=1.2)
+    # A front end behind the engine merges steps into one event of k tokens: no stall, k tokens, each
+    # the chunk's gap over k.
+    stream = _stream([(1.0, 1), (1.02, 2), (1.14, 6), (1.16, 7)], finished_at_seconds=1.2)
     assert stream.delivery_stalls() == []
-    gap_sum, tokens = stream.gaps_in(1.0, 1.2)
-    assert tokens == 6  # the first token (a prefill's) is not a gap
-    assert gap_sum == pytest.approx(1.12 - 1.0)
-    assert stream.tokens_held_at(1.11) == 100 + 6
+    gaps = stream.token_gaps_in(1.0, 1.2)  # the first token (a prefill's) is not a gap
+    assert gaps == pytest.approx([0.02, 0.12 / 4, 0.12 / 4, 0.12 / 4, 0.12 / 4, 0.02])
+    assert sum(gaps) == pytest.approx(1.16 - 1.0)
+    assert stream.token_gaps_in(1.0, 1.1) == pytest.approx([0.02])  # (start, end]: the chunk at 1.14 is out
+    assert stream.tokens_held_at(1.15) == 100 + 6
     assert stream.tokens_held_at(1.2) == 0  # finished: its blocks are freed

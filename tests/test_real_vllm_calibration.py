@@ -2,9 +2,10 @@
 it, this host described by its numbers (tests/support/real_vllm.py HOST_DEVICE).
 
 One real server for the module. `calibrate --url` times one stream alone at a short and a long context;
-its fit must then predict loads it never saw, against the gaps their clients observe: one stream at a
-third context within 10%, and two streams at 5,000 tokens each within 15% (a second request's own
-cost, which one stream cannot show, is ~5% of that step on this CPU). The daemon's online
+its fit must then predict loads it never saw, run right after it, against the step their clients
+observe: one stream at a third context within 10%, and two streams at 5,000 tokens each within 15% (a
+second request's own cost, which one stream cannot show, is ~5% of that step on this CPU), each the
+median over five rounds of calibration and loads. The daemon's online
 calibration on the same kind of server, over a load that changes, is measured by
 benchmarks/real_vllm_online.py (results in benchmarks/results/).
 """
@@ -37,12 +38,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
         yield running
 
 
-def _cli(*args: str) -> dict[str, object]:
+def _cli(*args: str, exit_codes: tuple[int, ...] = (0,)) -> tuple[dict[str, object], int]:
+    """A `stepbudget` verb with `--json`, as a user runs it: its document and exit code (one of `exit_codes`)."""
     done = subprocess.run([sys.executable, "-m", "exporter.cli", *args, "--json"], capture_output=True, text=True,
                           timeout=600, check=False)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode in exit_codes, done.stderr
     document: dict[str, object] = json.loads(done.stdout)
-    return document
+    return document, done.returncode
 
 
 def _number(document: dict[str, object], key: str) -> float:
@@ -52,43 +54,79 @@ def _number(document: dict[str, object], key: str) -> float:
 
 
 def test_calibrate_url_predicts_loads_it_never_saw(server: VllmServer) -> None:
-    # Both points long: this CPU reads the weights faster than the KV (benchmarks/results/
-    # real_vllm_step_cost.md), so the shorter a point, the faster its one-bandwidth reading; at 1,500
-    # and 7,000 tokens the points' bandwidths spread 19.1% in one run and calibrate refused the fit,
-    # rightly. At 3,000 and 7,000 they agree within a few percent.
-    calibration = _cli("calibrate", "--url", server.base_url, *SETUP_FLAGS, "--short-context", "3000",
-                       "--long-context", "7000", "--tokens", "128")
-    assert calibration["gpu"] == "custom"
-    bandwidth = _number(calibration, "effective_bandwidth_bytes_per_second")
-    overhead = _number(calibration, "step_overhead_seconds")
-    assert 0 < bandwidth <= 27e9  # bounded by the peak given
-    # Three runs of each load, one after the other, and their median: this VM's own speed moves by up to
-    # 8% within a quarter of an hour (benchmarks/results/real_vllm_step_cost.md), and one CI run's single
-    # pair of streams stepped in 57.8 ms where another run's took 46.8 ms.
-    # One stream at 4,500 tokens: a context neither point had, and what calibrate's fit claims to predict.
-    one = statistics.median(_mean_gap_seconds(server, seed, 1, 4500) for seed in (3, 4, 5))
-    assert _predicted_step_seconds(bandwidth, overhead, "1x4560") == pytest.approx(one, rel=0.10), (one, calibration)
-    # Two streams at 5,000 tokens each: past the long point in tokens in flight, and two requests per
-    # step. One stream cannot show what a second request costs of its own on this CPU, about 2.5 ms
-    # (the same benchmark: 2 x 3,000 tokens step in 34.4 ms, 1 x 6,000 in 31.9 ms), ~5% of this step,
-    # so this load is held to 15%: the bandwidth's prediction plus that cost, which calibrate takes only
-    # from `--itl` points at several batch sizes (a CI run read two streams at 3,000 10.6% over the
-    # prediction; at 5,000, -2.0% and -6.3% in two runs here).
-    two = statistics.median(_mean_gap_seconds(server, seed, 2, 5000) for seed in (6, 7, 8))
-    assert _predicted_step_seconds(bandwidth, overhead, "2x5060") == pytest.approx(two, rel=0.15), (two, calibration)
+    # A server that has served before, as one calibrated in production is: on this CPU the first streams
+    # after vLLM starts step slower (a first 1 x 3,000 stream stepped in 30.0 ms, the four after it in
+    # 25.6-27.6 ms; a first calibration took 21 s, the five after it 9-10 s), and a CI run whose
+    # calibration came first fitted 17 ms of overhead and over-predicted two streams at 5,000 by 18%.
+    for seed, (streams, context_tokens) in enumerate(((1, 3000), (1, 7000), (2, 5000))):
+        _median_gap_seconds(server, 100 + seed, streams, context_tokens)
+    # Five rounds, each calibrating and then running the loads at once, and the median of their errors:
+    # this VM's speed for a load moves 10-16% within minutes (the same 4 x 3,000 load stepped in 58.7 to
+    # 65.2 ms over five rounds), so a load is set beside the calibration just before it, not one a minute
+    # older; and still 3 of 39 rounds here missed the one stream by more than 10% (+11.4%, +13.7%,
+    # +23.6%), where the median of five rounds needs three to.
+    one_errors: list[float] = []
+    two_errors: list[float] = []
+    calibrations: list[dict[str, object]] = []
+    refused: list[dict[str, object]] = []
+    while len(calibrations) < 5:
+        calibration = _calibrate(server)
+        if not calibration["agrees"]:
+            # The same drift can move one point's ~4 s of gaps and not the other's: calibrate then sees
+            # bandwidths that disagree and refuses, as it must (2 of 41 calibrations here, at 23.4% and
+            # 23.5%). Not a round; a third refusal fails the test: the host no longer fits the model.
+            refused.append(calibration)
+            assert len(refused) < 3, (refused, calibrations)
+            continue
+        calibrations.append(calibration)
+        round_index = len(calibrations)
+        assert calibration["gpu"] == "custom"
+        bandwidth = _number(calibration, "effective_bandwidth_bytes_per_second")
+        overhead = _number(calibration, "step_overhead_seconds")
+        assert 0 < bandwidth <= 27e9  # bounded by the peak given
+        # One stream at 4,500 tokens: a context neither point had, and what calibrate's fit claims to predict.
+        one = _median_gap_seconds(server, 10 + round_index, 1, 4500)
+        one_errors.append(_predicted_step_seconds(bandwidth, overhead, "1x4560") / one - 1)
+        # Two streams at 5,000 tokens each: past the long point in tokens in flight, and two requests per
+        # step. One stream cannot show what a second request costs of its own on this CPU, about 2.5 ms
+        # (real_vllm_step_cost.md's earliest run: 2 x 3,000 tokens stepped in 34.4 ms, 1 x 6,000 in
+        # 31.9 ms, though its later runs moved each load 7-18%), ~5% of this step, so this load is held
+        # to 15%: the bandwidth's prediction plus that cost, which calibrate takes only from `--itl`
+        # points at several batch sizes.
+        two = _median_gap_seconds(server, 20 + round_index, 2, 5000)
+        two_errors.append(_predicted_step_seconds(bandwidth, overhead, "2x5060") / two - 1)
+    assert abs(statistics.median(one_errors)) <= 0.10, (one_errors, calibrations)
+    assert abs(statistics.median(two_errors)) <= 0.15, (two_errors, calibrations)
+
+
+def _calibrate(server: VllmServer) -> dict[str, object]:
+    """`calibrate --url` at 3,000 and 7,000 tokens: its JSON, also where it refused the fit (exit 2, the
+    JSON printed first, with `agrees` false).
+
+    Both points long: this CPU reads the weights faster than the KV (benchmarks/results/
+    real_vllm_step_cost.md), so the shorter a point, the faster its one-bandwidth reading; at 1,500 and
+    7,000 tokens the points' bandwidths spread 19.1% in one run and calibrate refused the fit, rightly. At
+    3,000 and 7,000 they agree within a few percent."""
+    document, exit_code = _cli("calibrate", "--url", server.base_url, *SETUP_FLAGS, "--short-context", "3000",
+                               "--long-context", "7000", "--tokens", "128", exit_codes=(0, 2))
+    assert document["agrees"] is (exit_code == 0), (exit_code, document)
+    return document
 
 
 def _predicted_step_seconds(bandwidth: float, overhead: float, load: str) -> float:
     """`plan` with the calibrated terms at `load` (requests x the context each held over the span
     measured: prompt + half the output)."""
-    plan = _cli("plan", *SETUP_FLAGS, "--bandwidth", repr(bandwidth), "--step-overhead", repr(overhead),
-                "--load", load)
+    plan, _ = _cli("plan", *SETUP_FLAGS, "--bandwidth", repr(bandwidth), "--step-overhead", repr(overhead),
+                   "--load", load)
     return _number(plan, "predicted_step_seconds")
 
 
-def _mean_gap_seconds(server: VllmServer, seed: int, streams: int, prompt_tokens: int) -> float:
+def _median_gap_seconds(server: VllmServer, seed: int, streams: int, prompt_tokens: int) -> float:
     """`streams` streams of `prompt_tokens` fresh prompt tokens (no prefix-cache hit) and 120 out,
-    started together: their clients' mean gap while all of them decode."""
+    started together: the median of their clients' token gaps while all of them decode. The median, as
+    calibrate takes of its points' gaps (`StreamMeasurement.itl_seconds`): the fit predicts a step, and
+    this CPU's slow steps (a 4,500-token stream's gaps ran from 30 ms at the 5th percentile to 83 ms at
+    the most) put the mean 1-4.5% over the median, stream by stream."""
     load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=seed)
     load.start(Phase("load", streams, prompt_tokens, 120))
     time.sleep(2.0)
@@ -98,6 +136,6 @@ def _mean_gap_seconds(server: VllmServer, seed: int, streams: int, prompt_tokens
     assert len(load.streams) == streams
     start = max(s.arrivals[1][0] for s in load.streams)  # all past their prefill
     end = min(s.arrivals[-1][0] for s in load.streams)  # all still decoding
-    measured, tokens = load.mean_gap_seconds(start, end)
-    assert measured is not None and tokens >= 75 * streams
-    return measured
+    gaps = load.token_gaps_in(start, end)
+    assert len(gaps) >= 75 * streams
+    return statistics.median(gaps)

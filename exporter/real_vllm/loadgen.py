@@ -66,21 +66,22 @@ class Stream:
         """Prompt + generated so far while running, else 0: what the request holds in the KV cache."""
         return self.prompt_tokens + self.generated_by(at_seconds) if self.running_at(at_seconds) else 0
 
-    def gaps_in(self, start_seconds: float, end_seconds: float) -> tuple[float, int]:
-        """(summed gaps, tokens) of the tokens that arrived in (start, end], first token excluded.
+    def token_gaps_in(self, start_seconds: float, end_seconds: float) -> list[float]:
+        """Each token's gap for the tokens that arrived in (start, end], the first token excluded.
 
-        A chunk of k tokens that arrived g after the previous one counts k tokens and g seconds, so
-        the token-weighted mean gap is the summed gaps over the tokens: the way an ITL histogram
-        that observes once per token per step would average them.
+        A chunk of k tokens that arrived g after the previous one is k gaps of g / k: the server made
+        them a step each and merged them into one event (0.32.0 vllm/v1/engine/output_processor.py
+        l. 53-79), and its ITL histogram observed them one by one, so the mean of these gaps is the
+        histogram's and their median a step's.
         """
-        gap_sum, tokens = 0.0, 0
+        gaps: list[float] = []
         previous: tuple[float, int] | None = None
         for arrived, total in self.arrivals:
             if previous is not None and start_seconds < arrived <= end_seconds:
-                gap_sum += arrived - previous[0]
-                tokens += total - previous[1]
+                tokens = total - previous[1]
+                gaps.extend([(arrived - previous[0]) / tokens] * tokens)
             previous = (arrived, total)
-        return gap_sum, tokens
+        return gaps
 
     def delivery_stalls(self) -> list[tuple[float, float]]:
         """Spans (the last arrival before, the burst's arrival) after which several events arrived at
@@ -161,14 +162,9 @@ class LoadGenerator:
         """Requests sent and not finished at `at_seconds`: the server's running plus waiting."""
         return outstanding_at(self.streams, at_seconds)
 
-    def mean_gap_seconds(self, start_seconds: float, end_seconds: float) -> tuple[float | None, int]:
-        """Token-weighted mean per-token gap over (start, end], and the tokens it is over."""
-        gap_sum, tokens = 0.0, 0
-        for stream in self.streams:
-            stream_sum, stream_tokens = stream.gaps_in(start_seconds, end_seconds)
-            gap_sum += stream_sum
-            tokens += stream_tokens
-        return (gap_sum / tokens if tokens else None), tokens
+    def token_gaps_in(self, start_seconds: float, end_seconds: float) -> list[float]:
+        """Every stream's token gaps over (start, end] (`Stream.token_gaps_in`)."""
+        return [gap for stream in self.streams for gap in stream.token_gaps_in(start_seconds, end_seconds)]
 
     def errors(self) -> list[str]:
         return [stream.error for stream in self.streams if stream.error]
