@@ -188,7 +188,12 @@ def test_live_calibration_recovers_the_stub_bandwidth(stub: Stub) -> None:
     setup = build_setup(get_model_preset("qwen3-8b"), "h100-sxm").setup
     result = calibrate.calibrate_live(stub.url, setup, short_context_tokens=256, long_context_tokens=100_000,
                                       output_tokens=10, timeout_seconds=10)
-    assert [len(r["prompt"]) for r in stub.requests] == [256, 100_000]
+    # First a request at the short context that is not timed (a server's first steps after it starts
+    # are slower), then the two points.
+    assert [(len(r["prompt"]), r["max_tokens"]) for r in stub.requests] == [
+        (256, calibrate.WARMUP_OUTPUT_TOKENS), (256, 10), (100_000, 10)]
+    assert stub.requests[0]["prompt"] == stub.requests[1]["prompt"]
+    assert [point.tokens_in_flight for point in result.points] == [256, 100_000]
     assert all(r["model"] == "stub-model" for r in stub.requests)  # discovered from GET /v1/models
     # A sleep overshoots by a scheduling delay; allow each median that much, relative to the
     # difference between the two gaps that the slope of the fit rests on.
@@ -216,7 +221,7 @@ def test_live_cli_prints_the_json_keys(stub: Stub, capsys: pytest.CaptureFixture
     slack_seconds = 0.002
     difference = (qwen3_read_bytes(100_000) - qwen3_read_bytes(256)) / bandwidth
     assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(bandwidth, rel=2 * slack_seconds / difference)
-    assert [r["model"] for r in stub.requests] == ["chosen", "chosen"]
+    assert [r["model"] for r in stub.requests] == ["chosen"] * 3  # the untimed first request, then the points
 
 
 def test_an_unreachable_or_stalled_server_fails_with_one_line(stub: Stub, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,12 @@ DEFAULT_SHORT_CONTEXT_TOKENS = 256
 DEFAULT_LONG_CONTEXT_TOKENS = 16384
 DEFAULT_OUTPUT_TOKENS = 64
 DEFAULT_TIMEOUT_SECONDS = 30.0
+# One stream before the points, not measured: a server's first requests after it starts step slower.
+# On vLLM 0.32.0's CPU backend here a first 3,000-token stream stepped ~10% slower than the next four on
+# one host, and 40% slower in one of three starts on another, where calibrate then refused the points
+# (spread 45.6%; `make demo-vllm`, calibrating a server it had just started, 24.7%); after 16 tokens at
+# the short context first, the first calibration of three fresh starts agreed (spread 1.1-6.1%).
+WARMUP_OUTPUT_TOKENS = 16
 # Token ids for synthetic prompts: low ids exist in every tokenizer's vocabulary, and a fixed seed
 # makes the prompt (and so the context) the same on every run. Under 1,000: vLLM refuses an id past
 # the model's vocabulary ("Token id 9985 is out of vocabulary", 400, from the real vLLM 0.32.0 serving
@@ -175,7 +181,10 @@ def measure_contexts(
     url: str, model_name: str, contexts: Sequence[int], output_tokens: int,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, *, progress: Progress | None = None,
 ) -> list[StreamMeasurement]:
-    """One request at a time, so each is alone on the server."""
+    """One request at a time, so each is alone on the server, after one at the shortest context that is
+    not measured (WARMUP_OUTPUT_TOKENS)."""
+    if contexts:
+        measure_stream(url, model_name, min(contexts), WARMUP_OUTPUT_TOKENS, timeout_seconds)
     return [measure_stream(url, model_name, context, output_tokens, timeout_seconds, progress=progress)
             for context in contexts]
 
