@@ -23,6 +23,7 @@ import pytest
 
 from exporter.real_vllm.loadgen import LoadGenerator, Phase
 from exporter.real_vllm.server import VllmServer
+from exporter.units import parse_bandwidth_bytes_per_second
 from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving
 
 pytestmark = pytest.mark.real_engine
@@ -89,7 +90,7 @@ def test_calibrate_url_predicts_loads_it_never_saw(server: VllmServer) -> None:
         assert calibration["gpu"] == "custom"
         bandwidth = _number(calibration, "effective_bandwidth_bytes_per_second")
         overhead = _number(calibration, "step_overhead_seconds")
-        assert 0 < bandwidth <= 27e9  # bounded by the peak given
+        assert 0 < bandwidth <= parse_bandwidth_bytes_per_second(HOST_DEVICE["peak_bandwidth"])  # the peak given
         # One stream at 4,500 tokens: a context neither point had, and what calibrate's fit claims to predict.
         one = _median_gap_seconds(server, 10 + round_index, 1, 4500)
         one_errors.append(_predicted_step_seconds(bandwidth, overhead, "1x4560") / one - 1)
