@@ -45,7 +45,12 @@ LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS = 3500, 120
 # the 14 blocks it frees let the other 8 finish before it is readmitted.
 OVERLOAD_REQUESTS, OVERLOAD_PROMPT_TOKENS, OVERLOAD_OUTPUT_TOKENS = 9, 1750, 60
 SCRIPT = [
-    Step(start=Phase("chat4", 4, 128, 300, spread_ratio=0.5), seconds=15),
+    # 4 chats in step, 600 tokens each: they start and end together, so most polls find all 4 settled
+    # and the exact check has a poll to hold (about 6 s a request here, twice that on a host half as
+    # fast). With 150 to 450 tokens each, 3-5 s a request on this faster host, one of the 4 ended
+    # within 0.3 s of every poll of a run here, and 1, 1 and 0 of chat4's 5 polls had all 4 settled in
+    # three runs (one in CI).
+    Step(start=Phase("chat4", 4, 128, 600), seconds=15),
     Step(stop="chat4", start=Phase("chat16", 16, 128, 300, spread_ratio=0.5), seconds=21),
     Step(start=Phase("long", 2, LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS), seconds=24, label="chat16+long"),
     Step(stop="chat16", label="drain"),  # no wait: the next step stops the sessions and drains both
