@@ -39,7 +39,7 @@ from exporter.capacity import model  # after sys.path
 from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_ready  # after sys.path
 from exporter.real_vllm.host import measure_host_device  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
-from exporter.real_vllm.server import DEFAULT_MODEL_DIR, DEFAULT_VENV, VllmSettings, start  # after sys.path
+from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, start  # after sys.path
 from exporter.serve.config import Deployment, config_from_mapping  # after sys.path
 from exporter.serve.online_calibration import (  # after sys.path
     Bounds,
@@ -311,7 +311,7 @@ def _up_to(peak: float, rates: tuple[float, ...]) -> list[float]:
 def main() -> int:
     if sys.argv[1:2] != ["--refit"]:
         # Before the server starts: a server decoding beside the one-liners would take their cores.
-        host = measure_host_device(DEFAULT_VENV / "bin" / "python")
+        host = measure_host_device(VllmSettings(port=0).python)
         print(f"this host's peaks: {host['peak_bandwidth']}, {host['peak_flops']} FLOP/s", flush=True)
         with tempfile.TemporaryDirectory(prefix="stepbudget-real-vllm-online-") as workdir:
             polls = run(Path(workdir), host)

@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
     print("stepbudget demo-vllm: this host's peaks, as docs/operations.md measures them "
           "(\"Finding a host's numbers\")...", flush=True)
     try:
-        host = measure_host_device(settings.venv / "bin" / "python")
+        host = measure_host_device(settings.python)
     except HostMeasureError as error:
         print(f"make demo-vllm: error: {error}", file=sys.stderr)
         return 1

@@ -53,9 +53,14 @@ class VllmSettings:
     # One core runs the model, the other the front end, by default on a 2-core machine.
     extra_env: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def python(self) -> Path:
+        """The venv's Python: it runs the server, and its numpy measures the host (exporter/real_vllm/host.py)."""
+        return self.venv / "bin" / "python"
+
     def command(self) -> list[str]:
         command = [
-            str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
@@ -111,7 +116,7 @@ class VllmServer:
 
 
 def is_built(settings: VllmSettings) -> bool:
-    return (settings.venv / "bin" / "python").exists() and (settings.model_dir / "config.json").exists()
+    return settings.python.exists() and (settings.model_dir / "config.json").exists()
 
 
 def tail(path: Path, lines: int = 40) -> str:

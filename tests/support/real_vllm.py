@@ -31,7 +31,7 @@ def host_device() -> dict[str, str]:
     measured by the docs' one-liners with the vLLM venv's numpy. Once per session: `serving` asks for it
     before it starts a server, so no server of ours shares the cores with the measurement."""
     try:
-        return measure_host_device(VllmSettings(port=0).venv / "bin" / "python")
+        return measure_host_device(VllmSettings(port=0).python)
     except HostMeasureError as error:
         pytest.fail(str(error))
 
