@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.scale import free_port  # after sys.path
 from exporter.capacity import model  # after sys.path
 from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_ready  # after sys.path
-from exporter.real_vllm.host import measure_host_device  # after sys.path
+from exporter.real_vllm.host import device_with_peaks, measure_host_device  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
 from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, start  # after sys.path
 from exporter.serve.config import Deployment, config_from_mapping  # after sys.path
@@ -73,7 +73,7 @@ PHASES: list[tuple[str, list[Phase], float]] = [
 
 # How the runs before the peaks were measured at run time described every host (their JSON is a bare list
 # of polls): the one-liners' figures on the first host, kept as constants.
-CONSTANT_HOST = {"name": "cpu-host", "memory": "8GiB", "peak_bandwidth": "27GB/s", "peak_flops": "9.14e10"}
+CONSTANT_HOST = device_with_peaks("27GB/s", "9.14e10")
 
 
 def load_run(path: Path) -> tuple[dict[str, str], list[dict[str, object]]]:

@@ -45,7 +45,12 @@ def measure_host_device(python: Path) -> dict[str, str]:
     with `python` (one that has numpy: the vLLM CPU venv's does)."""
     bandwidth = _figure(python, BANDWIDTH_COMMAND, "peak bandwidth", parse_bandwidth_bytes_per_second)
     flops = _figure(python, FLOPS_COMMAND, "peak FLOP/s", parse_flops_per_second)
-    return {"name": HOST_NAME, "memory": HOST_MEMORY, "peak_bandwidth": bandwidth, "peak_flops": flops}
+    return device_with_peaks(bandwidth, flops)
+
+
+def device_with_peaks(peak_bandwidth: str, peak_flops: str) -> dict[str, str]:
+    """This host as a `gpu` mapping with these peaks (as the config reads them)."""
+    return {"name": HOST_NAME, "memory": HOST_MEMORY, "peak_bandwidth": peak_bandwidth, "peak_flops": peak_flops}
 
 
 def _figure(python: Path, command: str, what: str, parse: Callable[[str, str], float]) -> str:
