@@ -16,6 +16,8 @@ from exporter.capacity.deployment import fit_bounds
 from exporter.real_vllm.host import (
     BANDWIDTH_COMMAND,
     FLOPS_COMMAND,
+    HOST_MEMORY,
+    HOST_NAME,
     HostMeasureError,
     measure_host_device,
 )
@@ -55,6 +57,16 @@ def _python(tmp_path: Path, body: str) -> Path:
     path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
+
+
+def test_each_figure_is_what_its_command_printed(tmp_path: Path) -> None:
+    """The docs' two commands run with `-c`, each once, and each printed figure lands under its own key."""
+    calls = tmp_path / "calls"
+    python = _python(tmp_path, f"""printf '%s\\n%s\\n' "$1" "$2" >> {calls}
+case "$2" in *copyto*) echo 31GB/s;; *a@a*) echo 7.5e10;; *) exit 9;; esac""")
+    assert measure_host_device(python) == {"name": HOST_NAME, "memory": HOST_MEMORY,
+                                           "peak_bandwidth": "31GB/s", "peak_flops": "7.5e10"}
+    assert calls.read_text().splitlines() == ["-c", BANDWIDTH_COMMAND, "-c", FLOPS_COMMAND]
 
 
 def test_a_python_without_numpy_is_named_with_its_last_error_line(tmp_path: Path) -> None:
