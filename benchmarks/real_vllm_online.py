@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
+from prometheus_client.samples import Sample
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -40,6 +41,7 @@ from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_re
 from exporter.real_vllm.host import device_with_peaks, measure_host_device  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
 from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, start  # after sys.path
+from exporter.serve.collector import MIX_SHARE_METRIC, MIX_TOKENS_METRIC, PARAMETER_FAMILIES  # after sys.path
 from exporter.serve.config import Deployment, config_from_mapping  # after sys.path
 from exporter.serve.online_calibration import (  # after sys.path
     Bounds,
@@ -48,6 +50,7 @@ from exporter.serve.online_calibration import (  # after sys.path
     fitted_step_seconds,
     window_setup,
 )
+from exporter.serve.online_seed import mix_from_parts  # after sys.path
 from exporter.units import parse_bandwidth_bytes_per_second, parse_flops_per_second  # after sys.path
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -133,13 +136,29 @@ def _drive(load: LoadGenerator, metrics_url: str) -> list[dict[str, object]]:
             (view,) = target_views(samples)
             fit_windows = sum(s.value for s in samples if s.name == "stepbudget_online_fit_windows")
             polls.append({"phase": label, "at_seconds": time.time(), "online_fit_windows": fit_windows,
-                          **view.values})
+                          **view.values, **_window_extras(samples)})
     return polls
 
 
+def _window_extras(samples: list[Sample]) -> dict[str, object]:
+    """What the daemon's fit has of a window beyond the per-target gauges, and the terms it predicts with:
+    the window's prefill mix by part (the daemon fits a compute rate only from windows with one) and the
+    deployment's overhead, per-request cost and compute rate (the bandwidth is a per-target gauge). Runs
+    before these were kept are refitted without a mix."""
+    mix: dict[str, dict[str, float]] = {"tokens": {}, "shares": {}}
+    for sample in samples:
+        for key, name in (("tokens", MIX_TOKENS_METRIC), ("shares", MIX_SHARE_METRIC)):
+            if sample.name == name:
+                mix[key][sample.labels["part"]] = sample.value
+    terms = {name.removeprefix("stepbudget_"): sample.value for name, _, _ in PARAMETER_FAMILIES
+             for sample in samples if sample.name == name}
+    return {"prefill_mix": mix, "terms": terms}
+
+
 def table(polls: list[dict[str, object]]) -> str:
-    lines = ["| phase | polls | fit windows at the end | median \\|error\\| | mean measured | mean predicted |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| phase | polls | fit windows at the end | median \\|error\\| | mean measured | mean predicted "
+             "| terms at the end |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for label, _, _ in PHASES:
         mine = [p for p in polls if p["phase"] == label and "prediction_error_ratio" in p]
         if not mine:
@@ -148,20 +167,39 @@ def table(polls: list[dict[str, object]]) -> str:
         measured = statistics.mean(float(str(p["measured_step_seconds"])) for p in mine)
         predicted = statistics.mean(float(str(p["predicted_step_seconds"])) for p in mine)
         lines.append(f"| {label} | {len(mine)} | {float(str(mine[-1]['online_fit_windows'])):.0f} | "
-                     f"{statistics.median(errors):.1%} | {measured * 1e3:.1f} ms | {predicted * 1e3:.1f} ms |")
+                     f"{statistics.median(errors):.1%} | {measured * 1e3:.1f} ms | {predicted * 1e3:.1f} ms | "
+                     f"{_terms(mine[-1])} |")
     return "\n".join(lines)
 
 
+def _terms(poll: dict[str, object]) -> str:
+    """The terms the daemon predicted with at the poll (runs before they were kept: the bandwidth only)."""
+    bandwidth = f"{float(str(poll['effective_bandwidth_bytes_per_second'])) / 1e9:.1f} GB/s"
+    terms = poll.get("terms")
+    if not isinstance(terms, dict):
+        return bandwidth
+    return (f"{bandwidth}, {terms['step_overhead_seconds'] * 1e3:.2f} ms, {terms['per_request_seconds'] * 1e6:.0f} us, "
+            f"{terms['effective_compute_flops_per_second'] / 1e9:.0f} GFLOP/s")
+
+
 def _fit_window(poll: dict[str, object]) -> FitWindow | None:
-    """The poll as a fit window (no prefill mix: the benchmark keeps the daemon's gauges, not its windows)."""
+    """The poll as the daemon's fit had it (without a prefill mix for runs that did not keep it)."""
     values = [poll.get(key) for key in ("tokens_in_flight", "requests_running", "measured_step_seconds")]
     if not all(isinstance(value, float | int) for value in values):
         return None
     tokens, running, measured = (float(str(value)) for value in values)
     prefill = float(str(poll.get("prefill_tokens_per_step") or 0.0))
-    window = FitWindow(float(str(poll["at_seconds"])), tokens, running, prefill, measured, None, "auto",
-                       BLOCK_SIZE_TOKENS)
+    window = FitWindow(float(str(poll["at_seconds"])), tokens, running, prefill, measured, _prefill_mix(poll),
+                       "auto", BLOCK_SIZE_TOKENS)
     return window if window.usable else None
+
+
+def _prefill_mix(poll: dict[str, object]) -> tuple[tuple[float, float], ...] | None:
+    stored = poll.get("prefill_mix")
+    if not isinstance(stored, dict):
+        return None
+    tokens, shares = ({int(part): float(value) for part, value in stored[key].items()} for key in ("tokens", "shares"))
+    return mix_from_parts(tokens, shares)
 
 
 def _starts(polls: list[dict[str, object]], windows: list[FitWindow]) -> list[FitWindow]:
@@ -209,8 +247,9 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     deployment = _deployment(host)
     seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
     split = _Split.of(polls)
-    lines = ["| fitted on | windows | bandwidth | overhead | per request | median \\|error\\| over the last phase |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| fitted on | windows | bandwidth | overhead | per request | compute "
+             "| median \\|error\\| over the last phase |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate at the host's
     # peak (this refit has no prefill mix to fit it from); benchmarks/real_vllm_step_cost.py shows why
     # the 1- and 4-stream windows pull a single bandwidth low on this host.
@@ -227,7 +266,7 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
             ("the 16-stream and 2,500 phases' windows, compute at the peak", at_peak, bounds, kv_windows)):
         fit = fit_windows(fit_seed, train, fit_bounds, min_windows=12)
         if fit.parameters is None:
-            lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | |")
+            lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | | |")
             continue
         # Each window scored as the daemon scores it: against the mean of its two ends' predictions.
         ends = fitted_step_seconds(fit_seed, split.evaluated, fit.parameters)
@@ -236,7 +275,8 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
                                   for end, at_start, w in zip(ends, at_starts, split.evaluated, strict=True))
         lines.append(f"| {label} | {fit.windows_used} | {fit.parameters.bandwidth_bytes_per_second / 1e9:.2f} GB/s | "
                      f"{fit.parameters.step_overhead_seconds * 1e3:.2f} ms | "
-                     f"{fit.parameters.per_request_seconds * 1e6:.0f} us | {error:.1%} |")
+                     f"{fit.parameters.per_request_seconds * 1e6:.0f} us | "
+                     f"{fit.parameters.compute_flops_per_second / 1e9:.0f} GFLOP/s | {error:.1%} |")
     return "\n".join(lines)
 
 

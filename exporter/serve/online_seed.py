@@ -164,8 +164,8 @@ def windows_from_prometheus(url: str, deployment: str, start: float, end: float,
             history = replace(history, other_setup=history.other_setup + 1)
             continue
         block = found[0].get("block_size", "")
-        window = replace(window, prefill_mix=_mix(parts["mix_tokens"].get((key, moment)),
-                                                  parts["mix_share"].get((key, moment))),
+        window = replace(window, prefill_mix=mix_from_parts(parts["mix_tokens"].get((key, moment)),
+                                                            parts["mix_share"].get((key, moment))),
                          kv_cache_dtype=found[0].get("kv_cache_dtype") or None,
                          block_size_tokens=int(block) if block.isdigit() and int(block) > 0 else None)
         history.windows.append((identities[key], window))
@@ -176,9 +176,11 @@ def _part(text: str | None) -> int | None:
     return int(text) if text is not None and text.isdigit() else None
 
 
-def _mix(tokens: dict[int, float] | None, shares: dict[int, float] | None) -> tuple[tuple[float, float], ...] | None:
-    """A window's prefill mix from its parts' two gauges: None unless every part has both and the
-    shares sum to 1 (a part missing or torn between scrapes is no mix; the window is fitted at its mean)."""
+def mix_from_parts(tokens: dict[int, float] | None, shares: dict[int, float] | None
+                   ) -> tuple[tuple[float, float], ...] | None:
+    """A window's prefill mix from its parts' two gauges (by part number): None unless every part has
+    both and the shares sum to 1 (a part missing or torn between scrapes is no mix; the window is
+    fitted at its mean)."""
     if not tokens or not shares or tokens.keys() != shares.keys():
         return None
     if abs(sum(shares.values()) - 1.0) > _MIX_SHARE_TOLERANCE:
