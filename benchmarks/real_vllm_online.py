@@ -5,8 +5,9 @@ one-liners, run before the server starts: exporter/real_vllm/host.py; efficienci
 0.5; runs from before the peaks were measured described every host by the first host's 27 GB/s and
 9.14e10 FLOP/s), polls a real server every 3 s while stepbudget's own load generator runs a load that
 changes: 1, 4 and 16 chat streams, 16 chats with two 2,500-token sessions (120 s), then 16 chats with
-two 5,000-token sessions. The daemon's holdout (60 s) is as long as the last phase, so that phase is
-predicted by a fit that never absorbed it. Per poll the daemon's own exported prediction error is read
+two 5,000-token sessions (evaluated), then the 16 chats alone again (a drift control, after the
+evaluation). The daemon's holdout (60 s) is as long as the evaluated phase, so that phase is predicted
+by a fit that never absorbed it. Per poll the daemon's own exported prediction error is read
 off its /metrics: over the window, against the mean of the predictions at its two ends
 (exporter/serve/reading.py).
 
@@ -15,8 +16,9 @@ off its /metrics: over the window, against the mean of the predictions at its tw
 Writes benchmarks/results/real_vllm_online.json (the host's peaks and every poll, with its window's prefill
 mix and the daemon's terms) and prints the table
 for real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows and a richer
-model of five terms at the best of a grid (`--refit [FILE]` does only those, from the committed JSON or
-another run's).
+model of five terms at the best of a grid, and how far the host's own speed moved over the run (one fit
+of every window, by phase; the 16-stream load at the start against the same load at the end)
+(`--refit [FILE]` does only those, from the committed JSON or another run's).
 """
 
 from __future__ import annotations
@@ -63,15 +65,24 @@ CHATS = Phase("s16", 16, 128, 400, spread_ratio=0.5)
 # The long sessions are agents: a long context, then hundreds of tokens out (one request a session
 # per phase, about 50 s at ~0.1 s a step), so most windows of a phase decode and a few prefill.
 LONG_OUTPUT_TOKENS = 500
+CHATS_16 = "16 streams"
+LONG_2500 = "16 + 2 x 2,500"
+EVALUATED = "16 + 2 x 5,000 (evaluated)"
+CONTROL = "16 streams again (drift control)"
 PHASES: list[tuple[str, list[Phase], float]] = [
     ("1 stream", [Phase("s1", 1, 128, 400, spread_ratio=0.5)], 15.0),
     ("4 streams", [Phase("s4", 4, 128, 400, spread_ratio=0.5)], 15.0),
-    ("16 streams", [CHATS], 24.0),
+    (CHATS_16, [CHATS], 24.0),
     # Two holdouts long: the fit lags the windows by a holdout, so when the evaluated phase starts it
     # has absorbed the first half of this one (with one holdout, none of it: the evaluated phase would
     # be predicted from the chat phases alone, and the absorption of this one would run through it).
-    ("16 + 2 x 2,500", [CHATS, Phase("long", 2, 2500, LONG_OUTPUT_TOKENS)], 2 * HOLDOUT_SECONDS),
-    ("16 + 2 x 5,000 (evaluated)", [CHATS, Phase("longer", 2, 5000, LONG_OUTPUT_TOKENS)], HOLDOUT_SECONDS),
+    (LONG_2500, [CHATS, Phase("long", 2, 2500, LONG_OUTPUT_TOKENS)], 2 * HOLDOUT_SECONDS),
+    (EVALUATED, [CHATS, Phase("longer", 2, 5000, LONG_OUTPUT_TOKENS)], HOLDOUT_SECONDS),
+    # After the evaluation, the 16-stream load again: its windows, against the first 16-stream phase's,
+    # say how far the host's own speed moved over the run (`drift`). The long sessions in flight run to
+    # their end first (about 25 s on the second host, most of the 48 s on the third): only the windows
+    # without them count.
+    (CONTROL, [CHATS], 48.0),
 ]
 
 
@@ -216,8 +227,8 @@ def _starts(polls: list[dict[str, object]], windows: list[FitWindow]) -> list[Fi
 
 @dataclass(frozen=True)
 class _Split:
-    """A run's windows as the evaluation splits them: before the last phase (what a fit may know),
-    the last phase's, and each of those windows' start (the daemon scores a window by its two ends)."""
+    """A run's windows as the evaluation splits them: before the evaluated phase (what a fit may know),
+    the evaluated phase's, and each of those windows' start (the daemon scores a window by its two ends)."""
 
     before: list[FitWindow]
     evaluated: list[FitWindow]
@@ -225,10 +236,11 @@ class _Split:
 
     @classmethod
     def of(cls, polls: list[dict[str, object]]) -> _Split:
-        last = PHASES[-1][0]
-        windows = [(p["phase"] == last, w) for p in polls if (w := _fit_window(p)) is not None]
-        evaluated = [w for is_last, w in windows if is_last]
-        return cls([w for is_last, w in windows if not is_last], evaluated, _starts(polls, evaluated))
+        order = [label for label, _, _ in PHASES]
+        windows = [(order.index(str(p["phase"])) - order.index(EVALUATED), w)
+                   for p in polls if (w := _fit_window(p)) is not None]
+        evaluated = [w for after, w in windows if after == 0]
+        return cls([w for after, w in windows if after < 0], evaluated, _starts(polls, evaluated))
 
 
 def _deployment(host: dict[str, str]) -> Deployment:
@@ -243,26 +255,26 @@ def _deployment(host: dict[str, str]) -> Deployment:
 def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     """Offline refits of the run's windows with the daemon's own fit: on every window before the
     evaluated phase (what the fit could know), and on every window of the run, the evaluated phase
-    included (the best this model's form can do on this host). Each evaluated on the last phase."""
+    included (the best this model's form can do on this host). Each evaluated on the evaluated phase."""
     deployment = _deployment(host)
     seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
     split = _Split.of(polls)
     lines = ["| fitted on | windows | bandwidth | overhead | per request | compute "
-             "| median \\|error\\| over the last phase |",
+             "| median \\|error\\| over the evaluated phase |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     # Diagnostic: the phases where KV reads dominate (16 streams and up), the compute rate seeded at the
     # host's peak (held there for runs that kept no prefill mix, moved by the fit's factors for those that
     # did); benchmarks/real_vllm_step_cost.py shows why the 1- and 4-stream windows pull a single bandwidth
     # low on this host.
-    kv_phases = {label for label, _, _ in PHASES[2:-1]}
+    kv_phases = {CHATS_16, LONG_2500}
     kv_windows = [w for p in polls if p["phase"] in kv_phases and (w := _fit_window(p)) is not None]
-    # And the windows before the last phase with this host's per-request cost allowed (0.52 ms,
+    # And the windows before the evaluated phase with this host's per-request cost allowed (0.52 ms,
     # real_vllm_step_cost.md; the shipped bound is 300 us, a GPU server's order).
     at_peak = replace(seed, effective_compute_flops_per_second=bounds.max_compute)
     wide = replace(bounds, max_per_request=1e-3)
     for label, fit_seed, fit_bounds, train in (
-            ("the windows before the last phase", seed, bounds, split.before),
-            ("every window, the last phase's included", seed, bounds, split.before + split.evaluated),
+            ("the windows before the evaluated phase", seed, bounds, split.before),
+            ("every window, the evaluated phase's included", seed, bounds, split.before + split.evaluated),
             ("the windows before, compute seeded at the peak, per-request cost up to 1 ms", at_peak, wide,
              split.before),
             ("the 16-stream and 2,500 phases' windows, compute seeded at the peak", at_peak, bounds, kv_windows)):
@@ -309,10 +321,10 @@ class _StepWork:
 
 
 def five_term_refit(host: dict[str, str], polls: list[dict[str, object]]) -> str:
-    """Whether a richer model would let the earlier phases predict the last: a KV read rate apart from
-    the weights', an overhead, an additive per-request cost (what a CPU's step has,
-    real_vllm_step_cost.md) and a compute rate, the best of a grid on the windows before the last
-    phase by their median |error|, scored on the last phase as the daemon scores it."""
+    """Whether a richer model would let the earlier phases predict the evaluated one: a KV read rate apart
+    from the weights', an overhead, an additive per-request cost (what a CPU's step has,
+    real_vllm_step_cost.md) and a compute rate, the best of a grid on the windows before the evaluated
+    phase by their median |error|, scored on the evaluated phase as the daemon scores it."""
     deployment = _deployment(host)
     split = _Split.of(polls)
 
@@ -339,10 +351,46 @@ def five_term_refit(host: dict[str, str], polls: list[dict[str, object]]) -> str
     last_error = statistics.median(abs((end.seconds(best) + start.seconds(best)) / 2 / measured - 1)
                                    for end, start, measured in scored)
     weight_rate, kv_rate, overhead, per_request, compute = best
-    return (f"Five terms, the best of a grid on the windows before the last phase: weights {weight_rate / 1e9:g} GB/s, "
-            f"KV {kv_rate / 1e9:g} GB/s, overhead {overhead * 1e3:g} ms, per request {per_request * 1e6:g} us, "
-            f"compute {compute / 1e9:g} GFLOP/s: median |error| {train_error(best):.1%} on those windows, "
-            f"{last_error:.1%} over the last phase.")
+    return ("Five terms, the best of a grid on the windows before the evaluated phase: "
+            f"weights {weight_rate / 1e9:g} GB/s, KV {kv_rate / 1e9:g} GB/s, overhead {overhead * 1e3:g} ms, "
+            f"per request {per_request * 1e6:g} us, compute {compute / 1e9:g} GFLOP/s: "
+            f"median |error| {train_error(best):.1%} on those windows, {last_error:.1%} over the evaluated phase.")
+
+
+def drift(host: dict[str, str], polls: list[dict[str, object]]) -> str:
+    """How far the host's own speed moved over the run: one fit of every window, and each phase's median
+    of measured / fitted - 1 against it. The same load at two moments (the 16-stream load at the start
+    and after the evaluation, once the long sessions have left; the 2,500 phase's two halves) differs
+    by the host alone: the model's own error for a load is the same at both."""
+    deployment = _deployment(host)
+    seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
+
+    def windows_of(label: str) -> list[FitWindow]:
+        return [w for p in polls if p["phase"] == label and (w := _fit_window(p)) is not None
+                and (label != CONTROL or w.running <= CHATS.concurrency)]
+
+    # The phase two holdouts long in halves: the evaluation starts from a fit that has absorbed its first.
+    long_windows = windows_of(LONG_2500)
+    middle = len(long_windows) // 2
+    rows = [*((label, windows_of(label)) for label, _, _ in PHASES[:3]),
+            (f"{LONG_2500}, first half", long_windows[:middle]), (f"{LONG_2500}, second half", long_windows[middle:]),
+            (EVALUATED, windows_of(EVALUATED)), (CONTROL, windows_of(CONTROL))]
+    fit = fit_windows(seed, [w for _, windows in rows for w in windows], bounds, min_windows=12)
+    if fit.parameters is None:
+        return f"No fit of every window: {fit.reason}"
+    lines = ["| phase | windows | median measured / fitted - 1 |", "|---|---:|---:|"]
+    residuals: dict[str, float] = {}
+    for label, windows in rows:
+        if not windows:
+            continue
+        fitted = fitted_step_seconds(seed, windows, fit.parameters)
+        residuals[label] = statistics.median(window.measured_step_seconds / step - 1
+                                             for window, step in zip(windows, fitted, strict=True))
+        lines.append(f"| {label} | {len(windows)} | {residuals[label]:+.1%} |")
+    if CHATS_16 in residuals and CONTROL in residuals:
+        moved = (1 + residuals[CONTROL]) / (1 + residuals[CHATS_16]) - 1
+        lines.append(f"\nThe 16-stream load's step, at the end against the start, by one fit of the run: {moved:+.1%}.")
+    return "\n".join(lines)
 
 
 def _up_to(peak: float, rates: tuple[float, ...]) -> list[float]:
@@ -366,6 +414,8 @@ def main() -> int:
     print(refits(host, polls))
     print()
     print(five_term_refit(host, polls))
+    print()
+    print(drift(host, polls))
     return 0
 
 
