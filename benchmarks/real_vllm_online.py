@@ -236,11 +236,28 @@ class _Split:
 
     @classmethod
     def of(cls, polls: list[dict[str, object]]) -> _Split:
-        order = [label for label, _, _ in PHASES]
-        windows = [(order.index(str(p["phase"])) - order.index(EVALUATED), w)
-                   for p in polls if (w := _fit_window(p)) is not None]
-        evaluated = [w for after, w in windows if after == 0]
-        return cls([w for after, w in windows if after < 0], evaluated, _starts(polls, evaluated))
+        labels = [label for label, _, _ in PHASES]
+        evaluated = _windows(polls, {EVALUATED})
+        return cls(_windows(polls, set(labels[:labels.index(EVALUATED)])), evaluated, _starts(polls, evaluated))
+
+
+def _windows(polls: list[dict[str, object]], phases: set[str]) -> list[FitWindow]:
+    """The windows of the polls in `phases` that the fit can use, in time order."""
+    return [w for p in polls if p["phase"] in phases and (w := _fit_window(p)) is not None]
+
+
+def _control_windows(polls: list[dict[str, object]]) -> list[FitWindow]:
+    """The drift control's windows that hold only the chats at both ends: the one a long session left
+    mid-way holds its slower steps too (84-153 ms on the third host, against 46-83 ms after it)."""
+    return [w for before, poll in itertools.pairwise(polls) if poll["phase"] == CONTROL
+            and all(float(str(end.get("requests_running", "inf"))) <= CHATS.concurrency for end in (before, poll))
+            and (w := _fit_window(poll)) is not None]
+
+
+def _seed_and_bounds(host: dict[str, str]) -> tuple[model.ServingSetup, Bounds]:
+    """What the daemon's fit starts from and stays within, for the host as it was described."""
+    resolved = _deployment(host).resolved
+    return resolved.setup, Bounds.of_setup(resolved)
 
 
 def _deployment(host: dict[str, str]) -> Deployment:
@@ -256,8 +273,7 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     """Offline refits of the run's windows with the daemon's own fit: on every window before the
     evaluated phase (what the fit could know), and on every window of the run, the evaluated phase
     included (the best this model's form can do on this host). Each evaluated on the evaluated phase."""
-    deployment = _deployment(host)
-    seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
+    seed, bounds = _seed_and_bounds(host)
     split = _Split.of(polls)
     lines = ["| fitted on | windows | bandwidth | overhead | per request | compute "
              "| median \\|error\\| over the evaluated phase |",
@@ -266,8 +282,7 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     # host's peak (held there for runs that kept no prefill mix, moved by the fit's factors for those that
     # did); benchmarks/real_vllm_step_cost.py shows why the 1- and 4-stream windows pull a single bandwidth
     # low on this host.
-    kv_phases = {CHATS_16, LONG_2500}
-    kv_windows = [w for p in polls if p["phase"] in kv_phases and (w := _fit_window(p)) is not None]
+    kv_windows = _windows(polls, {CHATS_16, LONG_2500})
     # And the windows before the evaluated phase with this host's per-request cost allowed (0.52 ms,
     # real_vllm_step_cost.md; the shipped bound is 300 us, a GPU server's order).
     at_peak = replace(seed, effective_compute_flops_per_second=bounds.max_compute)
@@ -362,19 +377,13 @@ def drift(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     of measured / fitted - 1 against it. The same load at two moments (the 16-stream load at the start
     and after the evaluation, once the long sessions have left; the 2,500 phase's two halves) differs
     by the host alone: the model's own error for a load is the same at both."""
-    deployment = _deployment(host)
-    seed, bounds = deployment.resolved.setup, Bounds.of_setup(deployment.resolved)
-
-    def windows_of(label: str) -> list[FitWindow]:
-        return [w for p in polls if p["phase"] == label and (w := _fit_window(p)) is not None
-                and (label != CONTROL or w.running <= CHATS.concurrency)]
-
+    seed, bounds = _seed_and_bounds(host)
     # The phase two holdouts long in halves: the evaluation starts from a fit that has absorbed its first.
-    long_windows = windows_of(LONG_2500)
+    long_windows = _windows(polls, {LONG_2500})
     middle = len(long_windows) // 2
-    rows = [*((label, windows_of(label)) for label, _, _ in PHASES[:3]),
+    rows = [*((label, _windows(polls, {label})) for label, _, _ in PHASES[:3]),
             (f"{LONG_2500}, first half", long_windows[:middle]), (f"{LONG_2500}, second half", long_windows[middle:]),
-            (EVALUATED, windows_of(EVALUATED)), (CONTROL, windows_of(CONTROL))]
+            (EVALUATED, _windows(polls, {EVALUATED})), (CONTROL, _control_windows(polls))]
     fit = fit_windows(seed, [w for _, windows in rows for w in windows], bounds, min_windows=12)
     if fit.parameters is None:
         return f"No fit of every window: {fit.reason}"
