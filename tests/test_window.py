@@ -11,6 +11,7 @@ import math
 import statistics
 import subprocess
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -226,9 +227,14 @@ def test_a_request_prefilling_in_chunks_beside_one_decoding_is_not_a_second_api_
         assert true_prefill == pytest.approx(2047, abs=1)  # 2,048 - the decoding stream's token
         assert {s.running for s in poll.steps} == {2}
         assert not any("several API servers" in note for note in reading.notes)
-        # Prompts are counted when their last chunk finishes: a window holds 34-35 of them, +-1 in 35.
+        # Prompts are counted when their last chunk finishes, and a prompt is part-way at each poll: its
+        # chunks are placed in the window they ran in from the KV cache's growth, within a block.
         assert reading.prefill_tokens_per_step == pytest.approx(true_prefill, rel=0.05)
+        # The iteration-tokens histogram observes each prompt in its last step, as the counters count it:
+        # its parts are scaled to the prompt tokens the window computed.
         assert reading.prefill_mix is not None
+        assert sum(tokens * share for tokens, share in reading.prefill_mix) == pytest.approx(
+            reading.prefill_tokens_per_step, rel=1e-3)
         measured = true_mean_step_seconds(poll.steps)
         assert measured is not None and reading.measured_step_seconds == pytest.approx(measured)
         assert reading.predicted_step_seconds == pytest.approx(measured, rel=0.1)
@@ -300,3 +306,53 @@ def test_a_median_in_the_inf_bucket_has_a_lower_bound_only() -> None:
     window = compute_window(page([0, 0, 0, 0], 0, 0, 0), page([0, 1, 1, 10], 9.0, 0, 10))
     assert window.measured_step_median_point_seconds is None
     assert (window.measured_step_median_lower_seconds, window.measured_step_median_upper_seconds) == (0.05, None)
+
+
+def _engine(*, usage: float, prompt: float, generated: float, admitted: float, computed: float,
+            finished_prompt: float = 0.0, finished_generated: float = 0.0, admitted_hits: float = 0.0,
+            counted_hits: float = 0.0, steps: float) -> Snapshot:
+    """One vLLM engine of 101 blocks of 128 tokens (100 usable: usage 0.01 is one block)."""
+    return Snapshot(kind="vllm", model_name="m", engine="0", kv_cache_usage_ratio=usage, kv_cache_blocks=101,
+                    block_size_tokens=128, prompt_tokens_total=prompt, prompt_tokens_computed_total=computed,
+                    prompt_tokens_local_cache_hit_total=counted_hits, generation_tokens_total=generated,
+                    prompt_tokens_admitted_total=admitted, prompt_tokens_admitted_cached_total=admitted_hits,
+                    finished_prompt_tokens_total=finished_prompt, finished_generation_tokens_total=finished_generated,
+                    engine_steps_total=steps)
+
+
+def test_a_chunk_is_placed_only_while_a_prompt_is_part_way() -> None:
+    """The KV cache grows by 16 blocks in one step while nothing is counted: with a 2,048-token prompt
+    admitted and uncounted it is that prompt's chunk; with nothing admitted (prefix caching off: vLLM
+    then counts no admission) the window keeps the counters' 0, as on pages before."""
+    before = _engine(usage=0.10, prompt=1000, generated=500, admitted=1000, computed=1000, steps=10)
+    after = _engine(usage=0.26, prompt=1000, generated=501, admitted=3048, computed=1000, steps=11)
+    # 16 blocks x 128 tokens, less the one sampled token the running request's context gained
+    assert compute_window(before, after).prefill_tokens_per_step == pytest.approx(16 * 128 - 1)
+    no_caching = [replace(snapshot, prompt_tokens_admitted_total=0.0, prompt_tokens_admitted_cached_total=0.0)
+                  for snapshot in (before, after)]
+    assert compute_window(*no_caching).prefill_tokens_per_step == 0
+    absent = [replace(snapshot, prompt_tokens_admitted_total=None) for snapshot in (before, after)]
+    assert compute_window(*absent).prefill_tokens_per_step == 0
+
+
+def test_a_chunk_is_held_within_what_was_part_way() -> None:
+    """The cache's growth is the chunk give or take the partly filled blocks, so it is bounded by the
+    prompt admitted: 20 blocks' growth with 1,000 tokens part-way reads 1,000; and the cache freeing a
+    finished request's blocks while a prompt is part-way at both ends never reads as negative work."""
+    before = _engine(usage=0.10, prompt=1000, generated=500, admitted=1000, computed=1000, steps=10)
+    grown = _engine(usage=0.30, prompt=1000, generated=500, admitted=2000, computed=1000, steps=11)
+    assert compute_window(before, grown).prefill_tokens_per_step == 1000
+    # 2,000 tokens part-way at both ends (a prompt aborted mid-way stays admitted and uncounted), and a
+    # request aborted while decoding frees its 20 blocks uncounted: vLLM observes no finished request for
+    # an abort (0.32.0 vllm/v1/engine/output_processor.py l. 552-614).
+    stuck_before = _engine(usage=0.30, prompt=1000, generated=500, admitted=3000, computed=1000, steps=10)
+    stuck_after = _engine(usage=0.10, prompt=1000, generated=500, admitted=3000, computed=1000, steps=12)
+    assert compute_window(stuck_before, stuck_after).prefill_tokens_per_step == 0
+
+
+def test_cache_hits_admitted_with_a_prompt_are_not_computed_work() -> None:
+    """A 3,072-token prompt admitted with 1,024 of it in the prefix cache: its first chunk's step holds
+    the hit blocks (referenced) and 2,048 computed tokens; only the latter are prefill."""
+    before = _engine(usage=0.10, prompt=1000, generated=500, admitted=1000, computed=1000, steps=10)
+    after = _engine(usage=0.34, prompt=1000, generated=500, admitted=4072, admitted_hits=1024, computed=1000, steps=11)
+    assert compute_window(before, after).prefill_tokens_per_step == pytest.approx(24 * 128 - 1024)

@@ -63,6 +63,20 @@ class Snapshot:
     # Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total).
     prompt_tokens_cached_total: float | None = None
     generation_tokens_total: float | None = None
+    # Prompt tokens the scheduler admitted, and the cache hits among them, counted when a request is
+    # first scheduled, before its first chunk runs (vllm:prefix_cache_queries_total and _hits_total:
+    # 0.32.0 vllm/v1/core/sched/scheduler.py l. 1314-1316, vllm/v1/core/kv_cache_manager.py l. 253-262);
+    # none while prefix caching is off. Beside the prompt counters above, which move only when a
+    # prompt's last chunk finishes, they say how much prompt is part-way through its prefill.
+    prompt_tokens_admitted_total: float | None = None
+    prompt_tokens_admitted_cached_total: float | None = None
+    # The local cache hits of the prompts counted so far (prompt_tokens_by_source_total{source=
+    # "local_cache_hit"}, counted with the prompt: 0.32.0 vllm/v1/metrics/loggers.py l. 1266).
+    prompt_tokens_local_cache_hit_total: float | None = None
+    # Prompt and sampled tokens of the requests that finished (the _sum of vllm:request_prompt_tokens and
+    # vllm:request_generation_tokens, observed once per finished request: loggers.py l. 1318-1323).
+    finished_prompt_tokens_total: float | None = None
+    finished_generation_tokens_total: float | None = None
     preemptions_total: float | None = None
     # Engine steps so far (vLLM: the count of the iteration-tokens histogram), for prefill per step.
     engine_steps_total: float | None = None

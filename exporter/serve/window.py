@@ -20,7 +20,9 @@ MEDIAN_RESOLUTION_RATIO = 0.1
 _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_tokens_cached_total",
              "generation_tokens_total", "preemptions_total", "engine_steps_total", "server_read_bytes_total",
              "admission_rejections_total", "spec_decode_draft_tokens_total",
-             "spec_decode_accepted_tokens_total")
+             "spec_decode_accepted_tokens_total", "prompt_tokens_admitted_total",
+             "prompt_tokens_admitted_cached_total", "prompt_tokens_local_cache_hit_total",
+             "finished_prompt_tokens_total", "finished_generation_tokens_total")
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,21 @@ def _delta(previous: Snapshot, current: Snapshot, name: str) -> float | None:
 
 
 def _computed_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[str]) -> float | None:
-    """Prompt tokens the engine computed in the window: prefix-cache hits cost no prefill work.
+    """Prompt tokens the engine computed in the window: prefix-cache hits cost no prefill work, and
+    the chunks of a prompt still part-way through its prefill at either end are counted where they ran.
+    """
+    counted = _counted_prompt_tokens(previous, current, notes)
+    in_progress = _prompt_in_progress_change(previous, current)
+    if counted is None or not in_progress:
+        return counted
+    notes.append(f"a prompt was part-way through its prefill at an end of the window: {in_progress:+.0f} prompt "
+                 "tokens computed here and counted in another window (vLLM counts a prompt when its last chunk "
+                 "finishes), from the KV cache's growth")
+    return max(0.0, counted + in_progress)
+
+
+def _counted_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[str]) -> float | None:
+    """Prompt tokens the server counted as computed in the window.
 
     vLLM's prompt_tokens_total counts a prompt's full length, cache hits included (0.33.0
     vllm/v1/metrics/loggers.py l. 1262); prefix caching is on by default, so an agent re-sending a
@@ -161,6 +177,64 @@ def _computed_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[s
         notes.append("prompt tokens include prefix-cache hits (the page has no computed-token count): "
                      "prefill per step is an upper bound")
     return prompt
+
+
+def _prompt_in_progress_change(previous: Snapshot, current: Snapshot) -> float | None:
+    """The change over the window in prompt tokens computed but not yet counted; None where none was
+    part-way through its prefill at either end, or the page cannot say.
+
+    vLLM counts a prompt, as prompt_tokens_total and by source, in the step that finishes its prefill
+    and emits its first token (0.32.0 vllm/v1/metrics/stats.py l. 516-519); the chunks before it emit
+    nothing (vllm/v1/core/sched/scheduler.py l. 2200-2202). A prompt longer than the step's token
+    budget (2,048 by default) is computed over several steps, and on a slow engine over several
+    windows: counted, the window of its last chunk would hold all of it and the windows before none,
+    while their steps took seconds. Two facts on the page place the chunks:
+      * the prompt tokens admitted and not yet counted, `_uncounted_prompt_tokens`: what may be
+        part-way (0 at both ends: the counters are exact, no correction);
+      * the KV cache: a chunk's blocks are allocated as it is scheduled (kv_cache_manager.py
+        `allocate_slots`), so the tokens the cache holds beyond those of the requests past their
+        prefill (`_kv_tokens_beyond_counted`) grow by each chunk and drop by the prompt when it is
+        counted.
+    The change of the latter is the chunks' tokens, give or take the partly filled last block of each
+    request (a few hundred tokens on the CPU backend's 128-token blocks, against a 2,048-token chunk),
+    held within what was part-way at each end: at least 0, at most the admitted, uncounted prompt.
+    """
+    uncounted_before, uncounted_now = _uncounted_prompt_tokens(previous), _uncounted_prompt_tokens(current)
+    if uncounted_before is None or uncounted_now is None or (uncounted_before <= 0 and uncounted_now <= 0):
+        return None
+    beyond_before, beyond_now = _kv_tokens_beyond_counted(previous), _kv_tokens_beyond_counted(current)
+    if beyond_before is None or beyond_now is None:
+        return None
+    return min(uncounted_now, max(-uncounted_before, beyond_now - beyond_before))
+
+
+def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
+    """Prompt tokens admitted to compute and not yet counted as computed: the prompts part-way through
+    their prefill (a request preempted and readmitted is not admitted again: 0.32.0
+    vllm/v1/metrics/stats.py l. 146-151; while prefix caching is off nothing is admitted and this is 0)."""
+    admitted, hits = snapshot.prompt_tokens_admitted_total, snapshot.prompt_tokens_admitted_cached_total
+    computed = snapshot.prompt_tokens_computed_total
+    if admitted is None or hits is None or computed is None:
+        return None
+    return max(0.0, admitted - hits - computed)
+
+
+def _kv_tokens_beyond_counted(snapshot: Snapshot) -> float | None:
+    """Tokens the KV cache holds beyond the counted prompt and sampled tokens of the requests past
+    their prefill, and beyond the cache hits of those still in it: the prefilling prompts' computed
+    chunks, plus each request's partly filled last block. The cache's tokens are the used blocks
+    (usage x (blocks - 1) x block size: the null block is never handed out, 0.32.0
+    vllm/v1/core/block_pool.py l. 884-888)."""
+    usage, blocks, block = snapshot.kv_cache_usage_ratio, snapshot.kv_cache_blocks, snapshot.block_size_tokens
+    counters = (snapshot.prompt_tokens_total, snapshot.generation_tokens_total, snapshot.finished_prompt_tokens_total,
+                snapshot.finished_generation_tokens_total, snapshot.prompt_tokens_admitted_cached_total,
+                snapshot.prompt_tokens_local_cache_hit_total)
+    if usage is None or not blocks or not block or any(value is None for value in counters):
+        return None
+    prompt, generated, finished_prompt, finished_generated, admitted_hits, counted_hits = (
+        float(value or 0.0) for value in counters)
+    held = prompt + generated - finished_prompt - finished_generated
+    return usage * (blocks - 1) * block - held - (admitted_hits - counted_hits)
 
 
 def _empty(reset: bool, *notes: str) -> Window:
@@ -288,25 +362,36 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float 
     cache hits included (0.11.0 vllm/v1/metrics/stats.py l. 119-120): there the buckets disagree
     with the computed-token count and are not used. A step's sampled tokens are taken as the
     window's mean (generation tokens / steps); the rest of the step is prefill.
+
+    The histogram observes a prompt in the step that finishes it, as the counters count it: where a
+    prompt was part-way at an end of the window, the buckets hold the prompt tokens the server counted,
+    and the parts' prefill is scaled to the tokens the window computed (`_computed_prompt_tokens`). A
+    window whose histogram holds no prompt token while its steps computed chunks has no mix (a lone
+    chunk's step and its decode-only neighbours look alike in the buckets): it is predicted at its mean.
     """
     before_h, now_h = previous.iteration_tokens, current.iteration_tokens
     steps = _delta(previous, current, "engine_steps_total")
     generated = _delta(previous, current, "generation_tokens_total")
+    counted = _counted_prompt_tokens(previous, current, [])
     if (before_h is None or now_h is None or prefill_per_step is None or not steps or steps <= 0
-            or generated is None or not _same_edges(before_h, now_h)):
+            or generated is None or counted is None or not _same_edges(before_h, now_h)):
+        return None
+    counted_per_step = counted / steps
+    if counted_per_step <= 0 < prefill_per_step:
         return None
     decode_per_step = max(0.0, generated / steps)
     histogram_prefill = (now_h.sum - before_h.sum) / steps - decode_per_step
-    if abs(histogram_prefill - prefill_per_step) > _MIX_AGREEMENT * max(prefill_per_step + decode_per_step, 1.0):
+    if abs(histogram_prefill - counted_per_step) > _MIX_AGREEMENT * max(counted_per_step + decode_per_step, 1.0):
         notes.append("vllm:iteration_tokens_total disagrees with the computed prompt tokens (a release that "
                      "counts cache hits in it?): predicting at the mean prefill")
         return None
-    total_tokens = (decode_per_step + prefill_per_step) * steps
+    total_tokens = (decode_per_step + counted_per_step) * steps
     tokens = step_tokens_in_buckets(_bucket_deltas(before_h, now_h), total_tokens, decode_per_step)
     if tokens is None:
         return None
     count = sum(n for _, n in tokens)
-    return tuple((max(0.0, value - decode_per_step), n / count) for value, n in tokens)
+    placed = prefill_per_step / counted_per_step if counted_per_step > 0 else 1.0
+    return tuple((max(0.0, value - decode_per_step) * placed, n / count) for value, n in tokens)
 
 
 def step_tokens_in_buckets(cumulative: Sequence[tuple[float, float]], total_tokens: float, typical_tokens: float
