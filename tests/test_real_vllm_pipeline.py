@@ -40,6 +40,7 @@ MAX_NUM_SEQS = 32
 # 128 blocks of 128 tokens (--num-gpu-blocks-override): a cache 8 requests outgrow in seconds on this CPU.
 KV_CACHE_BLOCKS = 128
 CHUNK_TOKENS = 2048  # vLLM's default max_num_batched_tokens on the CPU backend (its startup log says so)
+BLOCK_TOKENS = 128  # the CPU backend's KV block
 LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS = 3500, 120
 # 9 prompts of 14 blocks fit (126 of 127); past 1,792 tokens each needs a 15th, so one is preempted, and
 # the 14 blocks it frees let the other 8 finish before it is readmitted.
@@ -233,11 +234,15 @@ def _firsts_matching_the_servers_count(prompts_by_first_token: list[tuple[float,
 
 def test_prefill_per_step_is_the_computed_prompt_tokens_over_the_steps(run: Run) -> None:
     """vLLM counts a request's computed prompt tokens once, in the step that returns its first token
-    (0.32.0 vllm/v1/metrics/stats.py l. 517-519): so the window's prompt tokens are those of the
+    (0.32.0 vllm/v1/metrics/stats.py l. 517-519): so the window's counted prompt tokens are those of the
     requests whose first token came back in it (random token ids: no prefix-cache hits). Which window
     that is, is read by count, not by clock (see _clients_mean_gap_over_the_servers_tokens): a first
     token the server counted just before its page was rendered can reach its client after the poll.
-    Not the overload phase: a preempted request's prompt is computed again."""
+    Where no long prompt was being prefilled at either end, that is the window's prefill; where one was,
+    its chunks ran in this window and the ones beside it (docs/engines.md, "A prompt part-way through
+    its prefill"): no step computes more than its token budget, and from one window with no prompt
+    part-way at its ends to the next, the windows read what the server counted, give or take the
+    requests' partly filled blocks. Not the overload phase: a preempted request's prompt is computed again."""
     prompts_by_first_token = sorted((s.arrivals[0][0], s.prompt_tokens) for s in run.load.streams if s.arrivals)
     origin = run.polls[0].snapshot.prompt_tokens_computed_total
     assert origin is not None
@@ -257,17 +262,42 @@ def test_prefill_per_step_is_the_computed_prompt_tokens_over_the_steps(run: Run)
         assert k is not None, (poll.phase, poll.at_seconds, computed - origin)
         counted.append(k)
     assert counted.count(None) <= len(counted) // 4, counted
-    checked = 0
     prompts = [tokens for _, tokens in prompts_by_first_token]
-    for (before, after), (k_before, k_after) in zip(itertools.pairwise(story), itertools.pairwise(counted),
-                                                    strict=True):
+    # A long prompt part-way at a poll, by the clients: sent, no token back at the fetch or soon after it.
+    part_way = [any(_in_prefill(s, t) for s in run.load.streams for t in (poll.fetch_started_seconds,
+                                                                         poll.at_seconds + 2.0)) for poll in story]
+    exact = chunked_spans = 0
+    span: tuple[float, float, bool] | None = None  # tokens the windows read, counted, and a prompt part-way
+    for i, ((before, after), (k_before, k_after)) in enumerate(zip(itertools.pairwise(story),
+                                                                   itertools.pairwise(counted), strict=True)):
         steps = (after.snapshot.engine_steps_total or 0) - (before.snapshot.engine_steps_total or 0)
-        if steps <= 0 or k_before is None or k_after is None:
+        prefill = after.reading.prefill_tokens_per_step
+        if steps > 0 and before.phase in SIXTEEN_CHATS and after.phase in SIXTEEN_CHATS:
+            # A step's prompt tokens fill at most its budget (a block or three over: the partly filled
+            # blocks). Counted steps are every step only while requests decode beside the chunks: a
+            # step of chunks alone returns nothing and is not counted (docs/engines.md), as in the drain.
+            assert prefill is not None
+            assert prefill <= CHUNK_TOKENS + 3 * BLOCK_TOKENS, (after.phase, after.at_seconds, prefill, steps)
+        if k_before is None or k_after is None:
+            span = None
             continue
-        prompt_tokens = sum(prompts[k_before:k_after])
-        assert after.reading.prefill_tokens_per_step == pytest.approx(prompt_tokens / steps, rel=0.01, abs=0.01)
-        checked += prompt_tokens > 0
-    assert checked >= 3
+        window_counted = sum(prompts[k_before:k_after])
+        if not part_way[i] and not part_way[i + 1] and steps > 0:
+            assert prefill == pytest.approx(window_counted / steps, rel=0.01, abs=0.01)
+            exact += window_counted > 0
+        # From a poll with no prompt part-way to the next such poll: what the windows read is what was counted.
+        if not part_way[i]:
+            span = (0.0, 0.0, False)
+        if span is None:
+            continue
+        span = (span[0] + (prefill or 0.0) * steps, span[1] + window_counted, span[2] or part_way[i + 1])
+        if part_way[i + 1]:
+            continue
+        assert span[0] == pytest.approx(span[1], abs=4 * BLOCK_TOKENS), (after.phase, after.at_seconds, span)
+        chunked_spans += span[2]
+        span = None
+    assert exact >= 3
+    assert chunked_spans >= 1, "no long prompt's chunks were read from a poll with none part-way to the next"
 
 
 def test_the_error_of_a_draining_window_is_for_the_load_it_held_not_its_end(run: Run) -> None:
