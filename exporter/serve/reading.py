@@ -252,7 +252,7 @@ def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | N
             capacity = tokens / usage if usage > 0 else capacity
             estimated += [("tokens_in_flight", "hybrid_kv_blocks"), ("kv_cache_capacity_tokens", "hybrid_kv_blocks")]
         else:
-            tokens = _vllm_context_tokens(snapshot, usage, capacity, running)
+            tokens = _vllm_context_tokens(snapshot, capacity, running)
             if tokens is None:
                 tokens = usage * capacity
             if estimated:
@@ -262,21 +262,21 @@ def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | N
     return _Occupancy(tokens, capacity, usage, tuple(dict.fromkeys(estimated)))
 
 
-def _vllm_context_tokens(snapshot: Snapshot, usage: float, capacity: float, running: float | None) -> float | None:
+def _vllm_context_tokens(snapshot: Snapshot, capacity: float, running: float | None) -> float | None:
     """The context the running requests hold, from the blocks a vLLM page says are in use.
 
-    The usage is 1 - free / (num_gpu_blocks - 1): the null block is never handed out (0.32.0
-    vllm/v1/core/block_pool.py l. 884-888), so usage x capacity counts one block in num_gpu_blocks
-    too many. Each request holds whole blocks (vllm/v1/core/kv_cache_manager.py `allocate_slots`),
-    its last one partly filled: (block - 1) / 2 tokens of it empty on average. On a GPU's 16-token
-    blocks that is 7.5 tokens per request; on the CPU backend's 128-token blocks 63.5, an eighth of a
-    500-token chat, which the KV term (attention reads the context, not the empty slots) must not
-    count. None where the page does not give the blocks of one full-attention pool.
+    Usage x capacity counts one block in num_gpu_blocks too many (`Snapshot.used_block_tokens`: the
+    null block is never handed out). Each request holds whole blocks (vllm/v1/core/kv_cache_manager.py
+    `allocate_slots`), its last one partly filled: (block - 1) / 2 tokens of it empty on average. On a
+    GPU's 16-token blocks that is 7.5 tokens per request; on the CPU backend's 128-token blocks 63.5, an
+    eighth of a 500-token chat, which the KV term (attention reads the context, not the empty slots)
+    must not count. None where the page does not give the blocks of one full-attention pool.
     """
-    blocks, block = snapshot.kv_cache_blocks, snapshot.block_size_tokens
-    if snapshot.kind != "vllm" or not blocks or blocks < 2 or not block or abs(blocks * block - capacity) >= block:
+    blocks, block, block_tokens = snapshot.kv_cache_blocks, snapshot.block_size_tokens, snapshot.used_block_tokens
+    if snapshot.kind != "vllm" or not blocks or not block or block_tokens is None:
         return None
-    block_tokens = usage * (blocks - 1) * block
+    if abs(blocks * block - capacity) >= block:
+        return None
     return max(0.0, block_tokens - (block - 1) / 2 * (running or 0.0))
 
 

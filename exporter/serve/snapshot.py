@@ -111,3 +111,13 @@ class Snapshot:
     # Fields that hold one server-wide figure rather than this engine's own (SGLang's tokenizer-side
     # ITL histogram and token counters under --dp-size carry no dp_rank).
     server_wide: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def used_block_tokens(self) -> float | None:
+        """The token slots of the KV blocks in use, from a vLLM page's usage and its blocks: the usage is
+        1 - free / (num_gpu_blocks - 1), as the null block is never handed out (0.32.0
+        vllm/v1/core/block_pool.py l. 884-888). None where the page does not give both."""
+        usage, blocks, block = self.kv_cache_usage_ratio, self.kv_cache_blocks, self.block_size_tokens
+        if usage is None or not blocks or blocks < 2 or not block:
+            return None
+        return usage * (blocks - 1) * block

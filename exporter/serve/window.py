@@ -145,18 +145,34 @@ def _delta(previous: Snapshot, current: Snapshot, name: str) -> float | None:
     return None if before is None or now is None else now - before
 
 
-def _computed_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[str]) -> float | None:
-    """Prompt tokens the engine computed in the window: prefix-cache hits cost no prefill work, and
-    the chunks of a prompt still part-way through its prefill at either end are counted where they ran.
-    """
-    counted = _counted_prompt_tokens(previous, current, notes)
-    in_progress = _prompt_in_progress_change(previous, current)
-    if counted is None or not in_progress:
-        return counted
-    notes.append(f"a prompt was part-way through its prefill at an end of the window: {in_progress:+.0f} prompt "
-                 "tokens computed here and counted in another window (vLLM counts a prompt when its last chunk "
-                 "finishes), from the KV cache's growth")
-    return max(0.0, counted + in_progress)
+@dataclass(frozen=True)
+class _PromptTokens:
+    """A window's prompt tokens, read once: what the server counted as computed in it, and the change
+    in what a prompt part-way through its prefill at either end had computed (`_prompt_in_progress_change`;
+    None where none was part-way, or the page cannot say)."""
+
+    counted: float | None
+    in_progress: float | None
+    notes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, previous: Snapshot, current: Snapshot) -> _PromptTokens:
+        notes: list[str] = []
+        counted = _counted_prompt_tokens(previous, current, notes)
+        in_progress = _prompt_in_progress_change(previous, current)
+        if counted is not None and in_progress:
+            notes.append(f"a prompt was part-way through its prefill at an end of the window: {in_progress:+.0f} "
+                         "prompt tokens computed here and counted in another window (vLLM counts a prompt when "
+                         "its last chunk finishes), from the KV cache's growth")
+        return cls(counted, in_progress, tuple(notes))
+
+    @property
+    def computed(self) -> float | None:
+        """Prompt tokens the engine computed in the window: prefix-cache hits cost no prefill work, and
+        the chunks of a prompt part-way at either end are counted where they ran."""
+        if self.counted is None or not self.in_progress:
+            return self.counted
+        return max(0.0, self.counted + self.in_progress)
 
 
 def _counted_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[str]) -> float | None:
@@ -220,21 +236,19 @@ def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
 
 
 def _kv_tokens_beyond_counted(snapshot: Snapshot) -> float | None:
-    """Tokens the KV cache holds beyond the counted prompt and sampled tokens of the requests past
-    their prefill, and beyond the cache hits of those still in it: the prefilling prompts' computed
-    chunks, plus each request's partly filled last block. The cache's tokens are the used blocks
-    (usage x (blocks - 1) x block size: the null block is never handed out, 0.32.0
-    vllm/v1/core/block_pool.py l. 884-888)."""
-    usage, blocks, block = snapshot.kv_cache_usage_ratio, snapshot.kv_cache_blocks, snapshot.block_size_tokens
-    counters = (snapshot.prompt_tokens_total, snapshot.generation_tokens_total, snapshot.finished_prompt_tokens_total,
+    """Tokens the KV cache holds (`Snapshot.used_block_tokens`) beyond the counted prompt and sampled
+    tokens of the requests past their prefill, and beyond the cache hits of those still in it: the
+    prefilling prompts' computed chunks, plus each request's partly filled last block."""
+    counters = [snapshot.prompt_tokens_total, snapshot.generation_tokens_total, snapshot.finished_prompt_tokens_total,
                 snapshot.finished_generation_tokens_total, snapshot.prompt_tokens_admitted_cached_total,
-                snapshot.prompt_tokens_local_cache_hit_total)
-    if usage is None or not blocks or not block or any(value is None for value in counters):
+                snapshot.prompt_tokens_local_cache_hit_total]
+    used = snapshot.used_block_tokens
+    known = [value for value in counters if value is not None]
+    if used is None or len(known) < len(counters):
         return None
-    prompt, generated, finished_prompt, finished_generated, admitted_hits, counted_hits = (
-        float(value or 0.0) for value in counters)
+    prompt, generated, finished_prompt, finished_generated, admitted_hits, counted_hits = known
     held = prompt + generated - finished_prompt - finished_generated
-    return usage * (blocks - 1) * block - held - (admitted_hits - counted_hits)
+    return used - held - (admitted_hits - counted_hits)
 
 
 def _empty(reset: bool, *notes: str) -> Window:
@@ -268,7 +282,8 @@ _STEP_OVERCOUNT = 1.8
 _MIX_AGREEMENT = 0.05
 
 
-def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[float | None, bool]:
+def _steps(previous: Snapshot, current: Snapshot, prompt: _PromptTokens, notes: list[str]
+           ) -> tuple[float | None, bool]:
     """Engine steps in the window, and whether each iteration-tokens observation is a whole step.
 
     With --api-server-count N > 1 every API server observes vllm:iteration_tokens_total for its own
@@ -285,7 +300,7 @@ def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[flo
     if steps is None or steps <= 0 or itl_before is None or itl_now is None or len(running) < 2:
         return steps, True
     observations = itl_now.count - itl_before.count
-    most = _most_steps(previous, current, observations, min(running))
+    most = _most_steps(previous, current, prompt.computed, observations, min(running))
     if observations > 0 and steps > _STEP_OVERCOUNT * most:
         steps_from_itl = observations / (sum(running) / len(running))
         notes.append(f"vllm:iteration_tokens_total counted {steps:.0f} steps where the ITL allows at most "
@@ -294,7 +309,8 @@ def _steps(previous: Snapshot, current: Snapshot, notes: list[str]) -> tuple[flo
     return steps, True
 
 
-def _most_steps(previous: Snapshot, current: Snapshot, itl_observations: float, fewest_running: float) -> float:
+def _most_steps(previous: Snapshot, current: Snapshot, computed: float | None, itl_observations: float,
+                fewest_running: float) -> float:
     """The most engine steps one front end's counters allow in the window.
 
     Every running request is, in each step, either decoding (one ITL observation: 0.32.0
@@ -313,7 +329,6 @@ def _most_steps(previous: Snapshot, current: Snapshot, itl_observations: float, 
     chunks beside one decoding for two front ends, and halves the steps.
     """
     generated = _delta(previous, current, "generation_tokens_total")
-    computed = _computed_prompt_tokens(previous, current, [])
     first_tokens = max(0.0, generated - itl_observations) if generated is not None else 0.0
     # The prompt tokens bound the prefilling request-steps too: none in a decode-only window.
     most = (itl_observations + first_tokens + (computed or 0.0)) / fewest_running
@@ -322,10 +337,11 @@ def _most_steps(previous: Snapshot, current: Snapshot, itl_observations: float, 
     return most
 
 
-def _prefill_per_step(previous: Snapshot, current: Snapshot, steps: float | None, notes: list[str]
-                      ) -> float | None:
+def _prefill_per_step(prompt: _PromptTokens, steps: float | None, notes: list[str]) -> float | None:
     """Computed prompt tokens per engine step."""
-    computed = _computed_prompt_tokens(previous, current, notes) if steps is not None else None
+    if steps is not None:
+        notes.extend(prompt.notes)
+    computed = prompt.computed if steps is not None else None
     if steps is None or computed is None:
         notes.append("no prompt-token or engine-step counter: prefill per step unknown (decode only)")
         return None
@@ -353,8 +369,8 @@ def _server_read_bytes_per_step(previous: Snapshot, current: Snapshot, steps: fl
     return read / steps
 
 
-def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float | None, notes: list[str]
-                 ) -> tuple[tuple[float, float], ...] | None:
+def _prefill_mix(previous: Snapshot, current: Snapshot, counted: float | None, prefill_per_step: float | None,
+                 notes: list[str]) -> tuple[tuple[float, float], ...] | None:
     """The window's steps as (prefill tokens, share), from vllm:iteration_tokens_total's buckets.
 
     Each observation is one step's computed prompt tokens plus its sampled tokens (0.23.0 on;
@@ -365,14 +381,13 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, prefill_per_step: float 
 
     The histogram observes a prompt in the step that finishes it, as the counters count it: where a
     prompt was part-way at an end of the window, the buckets hold the prompt tokens the server counted,
-    and the parts' prefill is scaled to the tokens the window computed (`_computed_prompt_tokens`). A
+    and the parts' prefill is scaled to the tokens the window computed (`_PromptTokens.computed`). A
     window whose histogram holds no prompt token while its steps computed chunks has no mix (a lone
     chunk's step and its decode-only neighbours look alike in the buckets): it is predicted at its mean.
     """
     before_h, now_h = previous.iteration_tokens, current.iteration_tokens
     steps = _delta(previous, current, "engine_steps_total")
     generated = _delta(previous, current, "generation_tokens_total")
-    counted = _counted_prompt_tokens(previous, current, [])
     if (before_h is None or now_h is None or prefill_per_step is None or not steps or steps <= 0
             or generated is None or counted is None or not _same_edges(before_h, now_h)):
         return None
@@ -486,9 +501,11 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         notes.append("no ITL histogram in one of the two polls: no measured step")
     else:
         mean, median, tokens = _step_times(before_h, now_h, notes)
-    steps, whole_steps = _steps(previous, current, notes)
-    prefill = _prefill_per_step(previous, current, steps, notes)
-    mix = _prefill_mix(previous, current, prefill, notes) if whole_steps and prefill is not None else None
+    prompt = _PromptTokens.of(previous, current)
+    steps, whole_steps = _steps(previous, current, prompt, notes)
+    prefill = _prefill_per_step(prompt, steps, notes)
+    mix = (_prefill_mix(previous, current, prompt.counted, prefill, notes)
+           if whole_steps and prefill is not None else None)
     server_bytes = _server_read_bytes_per_step(previous, current, steps, notes)
     per_step = tokens_per_step(current, _delta(previous, current, "spec_decode_accepted_tokens_total"), tokens)
     if per_step is not None and current.kind == "sglang":
