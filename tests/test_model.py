@@ -489,6 +489,37 @@ def test_the_mean_step_over_a_prefill_mix_is_the_mean_of_its_steps_by_hand() -> 
     assert model.mean_step_over_mix(setup, at_mean, ()) == pytest.approx(step(0), rel=1e-12)
 
 
+def test_a_windows_prefill_attends_to_its_mean_context_step_by_step() -> None:
+    """A server's window says how many prompt tokens its steps computed and where in their prompts they
+    stood on average, not how they split into chunks. 40 requests of 2,000 tokens; half the steps carry
+    no prefill, half a 4,096-token chunk whose tokens stood 30,000 tokens into their prompts: those steps'
+    attention is 4 FLOPs x 36 layers x 32 heads x 128 dims x 4,096 x 30,000, past the KV read; the others'
+    is their KV read."""
+    setup = qwen3_setup()
+    compute = 0.5 * H100_BF16_DENSE_FLOPS
+    kv = 40 * 2000 * QWEN3_KV_BYTES_PER_TOKEN / EFFECTIVE_BANDWIDTH
+    weights = QWEN3_WEIGHT_BYTES / EFFECTIVE_BANDWIDTH
+    decode_attention = 4 * 36 * 32 * 128 * 40 * 2000 / compute
+    chunk_attention = 4 * 36 * 32 * 128 * 4096 * 30_000 / compute
+    assert chunk_attention > kv > decode_attention
+
+    def step(prefill: float, attention: float) -> float:
+        return max(weights, 2 * QWEN3_8B_PARAMS * (40 + prefill) / compute) + max(kv, attention)
+
+    groups = [RequestGroup(40, 2000)]
+    chunk = model.predict_step(setup, groups, 4096, prefill_mean_context_tokens=30_000)
+    assert chunk.step_seconds == pytest.approx(step(4096, decode_attention + chunk_attention), rel=1e-12)
+    mix = ((0.0, 1.0), (4096.0, 1.0))
+    expected = (step(0, decode_attention) + step(4096, decode_attention + chunk_attention)) / 2
+    assert model.predict_mean_step(setup, groups, mix, 30_000) == pytest.approx(expected, rel=1e-12)
+    at_mean = model.predict_step(setup, groups, 2048, prefill_mean_context_tokens=30_000)
+    assert model.mean_step_over_mix(setup, at_mean, mix, 30_000) == pytest.approx(expected, rel=1e-12)
+    # The mean context alone, without a mix: the step at the window's mean prefill.
+    assert at_mean.step_seconds == pytest.approx(step(2048, decode_attention + chunk_attention / 2), rel=1e-12)
+    with pytest.raises(InputError, match="not both"):
+        model.predict_step(setup, groups, 2048, prefill_context_tokens=0, prefill_mean_context_tokens=30_000)
+
+
 def test_the_mean_step_matches_predict_step_bucket_by_bucket_for_moe() -> None:
     # MoE: the prefill tokens also change which experts are read; the shortcut must still agree.
     setup = build_setup(get_model_preset("qwen3-30b-a3b"), "h100-sxm").setup

@@ -410,17 +410,21 @@ def prefill_attended_tokens(arch: Architecture, chunk_tokens: float, context_bef
 
 def predict_step(
     setup: ServingSetup, groups: Sequence[RequestGroup], prefill_tokens_per_step: float = 0.0,
-    *, prefill_context_tokens: float | None = None,
+    *, prefill_context_tokens: float | None = None, prefill_mean_context_tokens: float | None = None,
 ) -> StepPrediction:
     """Predict one decode step for the running requests in `groups` plus a prefill chunk of
-    `prefill_tokens_per_step` tokens that follows `prefill_context_tokens` tokens of its own prompt.
+    `prefill_tokens_per_step` tokens that follows `prefill_context_tokens` tokens of its own prompt,
+    or prefill tokens that each attend to `prefill_mean_context_tokens` on average (a server's
+    window: its prompt tokens, wherever in their prompts they stood, not one chunk).
 
-    With the chunk's context unknown (None: a server's counters give prefill tokens per step, not
-    how they split into chunks) its attention FLOPs are left out rather than guessed: taking a
-    window's prefill tokens as one causal chunk would count n²/2 pairs for what were many chunks."""
-    if prefill_tokens_per_step < 0 or (prefill_context_tokens or 0.0) < 0:
+    With neither (a server's page that cannot say where its prompt tokens stood) the prefill's attention
+    FLOPs are left out rather than guessed: taking a window's prefill tokens as one causal chunk would
+    count n²/2 pairs for what were many chunks."""
+    if prefill_context_tokens is not None and prefill_mean_context_tokens is not None:
+        raise InputError("give a prefill chunk's context or its tokens' mean context, not both")
+    if prefill_tokens_per_step < 0 or (prefill_context_tokens or 0.0) < 0 or (prefill_mean_context_tokens or 0.0) < 0:
         raise InputError(f"prefill tokens per step and their context must not be negative, got "
-                         f"{prefill_tokens_per_step!r} after {prefill_context_tokens!r}")
+                         f"{prefill_tokens_per_step!r} after {prefill_context_tokens or prefill_mean_context_tokens!r}")
     arch, tp = setup.architecture, setup.tensor_parallel
     decode_tokens = float(sum(group.count for group in groups))
     weights, weight_memory_seconds, gemm_compute_seconds = _gemm_phase(setup, decode_tokens + prefill_tokens_per_step)
@@ -431,6 +435,8 @@ def predict_step(
     attended = sum(group.count * _attended_tokens(arch, group.context_tokens) for group in groups)
     if prefill_context_tokens is not None:
         attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
+    elif prefill_mean_context_tokens is not None:
+        attended += prefill_tokens_per_step * _attended_tokens(arch, prefill_mean_context_tokens)
     return StepPrediction(
         tokens_in_flight=float(sum(group.tokens for group in groups)),
         decode_tokens=decode_tokens,
@@ -456,28 +462,47 @@ def _gemm_phase(setup: ServingSetup, tokens_in_step: float) -> tuple[float, floa
 
 
 def predict_mean_step(
-    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_mix: Sequence[tuple[float, float]]
+    setup: ServingSetup, groups: Sequence[RequestGroup], prefill_mix: Sequence[tuple[float, float]],
+    prefill_mean_context_tokens: float | None = None,
 ) -> float:
-    """Mean step time over steps whose prefill tokens follow `prefill_mix` ((tokens, share) pairs).
+    """Mean step time over steps whose prefill tokens follow `prefill_mix` ((tokens, share) pairs), each
+    prefill token attending to `prefill_mean_context_tokens` on average (None: attention not counted).
 
     A step's GEMM phase is max(memory, compute): past the compute roof it grows with its tokens, so a
     few steps carrying big prefill chunks cost more than the same tokens spread evenly over every
-    step. The mean of the steps is the mean ITL a server shows, not the step at the mean prefill.
+    step; so does its attention phase, max(KV read, attention FLOPs), with a chunk's attention. The mean
+    of the steps is the mean ITL a server shows, not the step at the mean prefill.
     """
-    return mean_step_over_mix(setup, predict_step(setup, groups), prefill_mix)
+    return mean_step_over_mix(setup, predict_step(setup, groups), prefill_mix, prefill_mean_context_tokens)
 
 
-def mean_step_over_mix(setup: ServingSetup, step: StepPrediction, prefill_mix: Sequence[tuple[float, float]]
-                       ) -> float:
+def mean_step_over_mix(setup: ServingSetup, step: StepPrediction, prefill_mix: Sequence[tuple[float, float]],
+                       prefill_mean_context_tokens: float | None = None) -> float:
     """predict_mean_step from a prediction already made for the same requests (`step`, with any
-    prefill tokens of unknown context): those change only its GEMM phase, so the rest of the step is
-    taken from it once (this runs on every reading, over every bucket of the window's mix)."""
-    rest = step.step_seconds - step.gemm_seconds
+    prefill tokens): those change only its GEMM phase and its attention FLOPs, so the rest of the step
+    is taken from it once (this runs on every reading, over every bucket of the window's mix)."""
+    rest = step.overhead_seconds + step.per_request_seconds
+    decode_attention = step.attention_compute_seconds - _prefill_attention_seconds(
+        setup, step.prefill_tokens, prefill_mean_context_tokens)
+
+    def mean_of(tokens: float) -> float:
+        attention = decode_attention + _prefill_attention_seconds(setup, tokens, prefill_mean_context_tokens)
+        return (rest + max(_gemm_phase(setup, step.decode_tokens + tokens)[1:])
+                + max(step.kv_memory_seconds, attention))
     total_share = sum(share for _, share in prefill_mix)
     if not prefill_mix or total_share <= 0:
-        return rest + max(_gemm_phase(setup, step.decode_tokens)[1:])
-    return sum((rest + max(_gemm_phase(setup, step.decode_tokens + tokens)[1:])) * share
-               for tokens, share in prefill_mix) / total_share
+        return mean_of(0.0)
+    return sum(mean_of(tokens) * share for tokens, share in prefill_mix) / total_share
+
+
+def _prefill_attention_seconds(setup: ServingSetup, prefill_tokens: float, mean_context_tokens: float | None
+                               ) -> float:
+    """Attention compute seconds of prefill tokens that each attend to `mean_context_tokens` on average."""
+    if mean_context_tokens is None or prefill_tokens <= 0:
+        return 0.0
+    arch = setup.architecture
+    attended = prefill_tokens * _attended_tokens(arch, mean_context_tokens)
+    return attention_flops(arch, attended, setup.tensor_parallel) / setup.effective_compute_flops_per_second
 
 
 def groups_from_total(tokens_in_flight: float, running_requests: float) -> list[RequestGroup]:
