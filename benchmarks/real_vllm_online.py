@@ -194,14 +194,16 @@ def _terms(poll: dict[str, object]) -> str:
 
 
 def _fit_window(poll: dict[str, object]) -> FitWindow | None:
-    """The poll as the daemon's fit had it (without a prefill mix for runs that did not keep it)."""
+    """The poll as the daemon's fit had it (without a prefill mix, or the prefill's mean context, for runs
+    that did not keep them)."""
     values = [poll.get(key) for key in ("tokens_in_flight", "requests_running", "measured_step_seconds")]
     if not all(isinstance(value, float | int) for value in values):
         return None
     tokens, running, measured = (float(str(value)) for value in values)
     prefill = float(str(poll.get("prefill_tokens_per_step") or 0.0))
+    context = poll.get("prefill_mean_context_tokens")
     window = FitWindow(float(str(poll["at_seconds"])), tokens, running, prefill, measured, _prefill_mix(poll),
-                       "auto", BLOCK_SIZE_TOKENS)
+                       "auto", BLOCK_SIZE_TOKENS, float(context) if isinstance(context, float | int) else None)
     return window if window.usable else None
 
 

@@ -45,9 +45,11 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     config = make_config([page_server.url], effective_bandwidth=2e12, target_tokens_per_second=50, headroom=0.9)
     poller = make_poller(config, clock)
     first = VllmState(running=6, waiting=0, kv_usage_ratio=0.1, preemptions=3, prompt_tokens=1000, engine_steps=500,
+                      generation_tokens=100,
                       itl_buckets={0.01: 10, 0.025: 60, 0.05: 100, 0.1: 100}, itl_count=100, itl_sum=1.5)
     # 200 ITL observations of 6 to 8 running requests: 28 engine steps.
     second = VllmState(running=8, waiting=2, kv_usage_ratio=0.3, preemptions=5, prompt_tokens=5000, engine_steps=528,
+                       generation_tokens=304,
                        itl_buckets={0.01: 20, 0.025: 150, 0.05: 280, 0.1: 300}, itl_count=300, itl_sum=5.9)
     page_server.serve_text(vllm_page(first))
     poller.poll_once()
@@ -81,8 +83,13 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     prefill = (5000 - 1000) / (528 - 500)
     memory_step = (weights + kv_per_token * tokens) / bandwidth
     gemm_step = 2 * arch.params * (8 + prefill) / compute
-    # Decode tokens attend to their contexts: 4 FLOPs per query head dimension per token, every layer.
-    attention_step = 4 * arch.layers * arch.attention_heads * arch.head_dim * tokens / compute
+    # 204 tokens sampled, 200 of them ITL observations: 4 first tokens, 4 prompts of 4,000 / 4 tokens,
+    # whose tokens attend to 4 x 1,000^2 / 2 in all, 500 each on average.
+    prompt_context = 4 * 1000 ** 2 / 2 / 4000
+    # Decode tokens attend to their contexts, prefill tokens to theirs: 4 FLOPs per query head dimension
+    # per token, every layer.
+    flops_per_attended = 4 * arch.layers * arch.attention_heads * arch.head_dim
+    attention_step = flops_per_attended * (tokens + prefill * prompt_context) / compute
     compute_step = gemm_step + attention_step
     # By phase: GEMMs, then attention, each at the longer of its memory and compute time.
     predicted = max(weights / bandwidth, gemm_step) + max(kv_per_token * tokens / bandwidth, attention_step)
@@ -99,6 +106,7 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     assert only(samples, "stepbudget_requests_waiting") == 2
     assert only(samples, "stepbudget_preemptions_total") == 5
     assert only(samples, "stepbudget_prefill_tokens_per_step") == pytest.approx(prefill)
+    assert only(samples, "stepbudget_prefill_mean_context_tokens") == pytest.approx(prompt_context)
     assert only(samples, "stepbudget_step_read_bytes") == pytest.approx(weights + kv_per_token * tokens)
     assert only(samples, "stepbudget_predicted_memory_step_seconds") == pytest.approx(memory_step)
     assert only(samples, "stepbudget_predicted_compute_step_seconds") == pytest.approx(compute_step)
@@ -111,7 +119,7 @@ def test_two_poll_sequence_every_value_by_hand(page_server: PageServer, clock: M
     # 6 running requests at 10% usage, the second's 8 at 30%), each with the window's prefill.
     start_tokens = 0.1 * (4096 - 1) * 16 - 6 * (16 - 1) / 2
     start_gemm = 2 * arch.params * (6 + prefill) / compute
-    start_attention = 4 * arch.layers * arch.attention_heads * arch.head_dim * start_tokens / compute
+    start_attention = flops_per_attended * (start_tokens + prefill * prompt_context) / compute
     at_start = max(weights / bandwidth, start_gemm) + max(kv_per_token * start_tokens / bandwidth, start_attention)
     expected_error = ((at_start + predicted) / 2 - measured_mean) / measured_mean
     assert only(samples, "stepbudget_prediction_error_ratio") == pytest.approx(expected_error)

@@ -163,9 +163,13 @@ def test_data_parallel_without_kv_cache_size_tokens_gives_each_engine_its_blocks
         assert readings[engine].kv_cache_capacity_tokens == values["num_gpu_blocks_per_engine"] * 16
 
 
-def _fed_mean_step(setup: model.ServingSetup, reading: Reading, prefill_per_step: list[float]) -> float:
+def _fed_mean_step(setup: model.ServingSetup, reading: Reading, computed_per_step: list[float],
+                   prompt_per_step: list[float]) -> float:
+    """The model's mean over the fed steps, each step's prompt tokens computed after its cache hits (the
+    fed prompt tokens less the computed ones): they attend to those and to each other."""
     groups = model.groups_from_total(reading.tokens_in_flight or 0.0, reading.requests_running or 0.0)
-    return sum(model.predict_step(setup, groups, p).step_seconds for p in prefill_per_step) / len(prefill_per_step)
+    return sum(model.predict_step(setup, groups, computed, prefill_context_tokens=prompt - computed).step_seconds
+               for computed, prompt in zip(computed_per_step, prompt_per_step, strict=True)) / len(computed_per_step)
 
 
 def test_prefix_cache_hits_are_not_prefill_work(page_server: PageServer, clock: ManualClock,
@@ -182,7 +186,7 @@ def test_prefix_cache_hits_are_not_prefill_work(page_server: PageServer, clock: 
     total = t1["prompt_tokens_total"] - t0["prompt_tokens_total"]
     assert cached > 0.9 * total  # the window is mostly cache hits
     setup = poller.config.deployments[0].resolved.setup
-    truth = _fed_mean_step(setup, reading, t1["prompt_tokens_computed_per_step"])
+    truth = _fed_mean_step(setup, reading, t1["prompt_tokens_computed_per_step"], t1["prompt_tokens_total_per_step"])
     assert reading.predicted_step_seconds == pytest.approx(truth, rel=0.10)
     # Counting the cache hits as prefill (what prompt_tokens_total alone says) is a far longer step.
     counted_as_prefill = model.predict_step(

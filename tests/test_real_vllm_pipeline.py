@@ -316,8 +316,10 @@ def test_the_error_of_a_draining_window_is_for_the_load_it_held_not_its_end(run:
         draining += 1
         window_setup = page_setup(setup, after.snapshot.kv_cache_dtype, after.snapshot.block_size_tokens)
         groups = model.groups_from_total(start.tokens_in_flight, start.requests_running)
-        at_start = (model.predict_mean_step(window_setup, groups, reading.prefill_mix) if reading.prefill_mix
-                    else model.predict_step(window_setup, groups, reading.prefill_tokens_per_step or 0.0).step_seconds)
+        context = reading.prefill_mean_context_tokens
+        at_start = (model.predict_mean_step(window_setup, groups, reading.prefill_mix, context) if reading.prefill_mix
+                    else model.predict_step(window_setup, groups, reading.prefill_tokens_per_step or 0.0,
+                                            prefill_mean_context_tokens=context).step_seconds)
         assert reading.predicted_step_seconds is not None and at_start > reading.predicted_step_seconds
         expected = (at_start + reading.predicted_step_seconds) / 2
         assert reading.window_predicted_step_seconds == pytest.approx(expected, rel=1e-9)

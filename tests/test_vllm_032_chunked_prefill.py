@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,41 @@ def test_over_the_windows_every_computed_prompt_token_is_read_once(windows: list
     assert total == pytest.approx(_delta(first, last, "vllm:prompt_tokens_by_source_total", "local_compute"),
                                   abs=2 * BLOCK_TOKENS)
 
+
+
+def _attended_in(before: str, after: str, window: Window) -> float:
+    """What the window's computed prompt tokens attended to in all, as the daemon reads them."""
+    assert window.prefill_mean_context_tokens is not None
+    return window.prefill_mean_context_tokens * _computed_in(before, after, window)
+
+
+def test_each_window_reads_where_in_its_prompts_the_tokens_it_computed_stood(
+        windows: list[tuple[str, str, Window]]) -> None:
+    """A prompt token attends to its prompt's tokens before it, so a chunk's attention grows with what its
+    prompt held already: tokens k0+1 .. k1 of a prompt attend to (k1^2 - k0^2) / 2 in all. Each window's,
+    by the scheduler's arithmetic. Where a prompt was part-way at a poll, the daemon knows how far it had
+    got from the KV cache, less half a block for each of the 18-20 running requests' partly filled last
+    blocks; each of those is anywhere in its block, about 165 tokens either way in all (128 x sqrt(20 / 12)),
+    so the arithmetic is held within two blocks either way of where each part-way prompt stood."""
+    first_chunk = _chunk_tokens(*windows[0][:2])
+    before, after, window = windows[0]
+    assert _attended_in(before, after, window) == pytest.approx(first_chunk ** 2 / 2, rel=1e-6)
+
+    def held(attended: Callable[[float, float], float], first: float, second: float) -> tuple[float, float]:
+        """The lowest and highest of `attended`, decreasing in its first and increasing in its second
+        argument, with each within two blocks of where the arithmetic puts it."""
+        return (attended(first + 2 * BLOCK_TOKENS, second - 2 * BLOCK_TOKENS),
+                attended(first - 2 * BLOCK_TOKENS, second + 2 * BLOCK_TOKENS))
+
+    before, after, window = windows[1]
+    second_step = _chunk_tokens(before, after)
+    second_prompt_so_far = second_step - (AGENT_PROMPT_TOKENS - first_chunk)
+    low, high = held(lambda first_so_far, second_so_far: (AGENT_PROMPT_TOKENS ** 2 - first_so_far ** 2) / 2
+                     + second_so_far ** 2 / 2, first_chunk, second_prompt_so_far)
+    assert low <= _attended_in(before, after, window) <= high
+
+    before, after, window = windows[2]
+    chat_prompt = _delta(before, after, "vllm:prefix_cache_queries_total")  # one chat's, admitted and counted here
+    low, high = held(lambda second_so_far, _: (AGENT_PROMPT_TOKENS ** 2 - second_so_far ** 2) / 2
+                     + chat_prompt ** 2 / 2, second_prompt_so_far, 0.0)
+    assert low <= _attended_in(before, after, window) <= high

@@ -237,7 +237,12 @@ def test_a_request_prefilling_in_chunks_beside_one_decoding_is_not_a_second_api_
             reading.prefill_tokens_per_step, rel=1e-3)
         measured = true_mean_step_seconds(poll.steps)
         assert measured is not None and reading.measured_step_seconds == pytest.approx(measured)
-        assert reading.predicted_step_seconds == pytest.approx(measured, rel=0.1)
+        # Each window holds dozens of whole 8,000-token prompts, computed in chunks: their tokens stood,
+        # on average, halfway through their prompts, and attend to that much.
+        assert reading.prefill_mean_context_tokens == pytest.approx(8000 / 2, rel=0.02)
+        # Within 20%: this deployment was calibrated on decode alone, and predicts GEMMs and attention at
+        # the default half of the dense peak, where the simulated GPU runs them at 55% of it.
+        assert reading.predicted_step_seconds == pytest.approx(measured, rel=0.2)
 
 
 def test_several_api_servers_are_still_told_apart_while_a_prompt_prefills_in_chunks() -> None:
@@ -310,14 +315,47 @@ def test_a_median_in_the_inf_bucket_has_a_lower_bound_only() -> None:
 
 def _engine(*, usage: float, prompt: float, generated: float, admitted: float, computed: float,
             finished_prompt: float = 0.0, finished_generated: float = 0.0, admitted_hits: float = 0.0,
-            counted_hits: float = 0.0, steps: float) -> Snapshot:
-    """One vLLM engine of 101 blocks of 128 tokens (100 usable: usage 0.01 is one block)."""
+            counted_hits: float = 0.0, steps: float, itl_observations: float | None = None) -> Snapshot:
+    """One vLLM engine of 101 blocks of 128 tokens (100 usable: usage 0.01 is one block); with
+    `itl_observations`, an ITL histogram of that many 50 ms steps."""
+    itl = (None if itl_observations is None else
+           Histogram(((math.inf, itl_observations),), itl_observations, 0.05 * itl_observations))
     return Snapshot(kind="vllm", model_name="m", engine="0", kv_cache_usage_ratio=usage, kv_cache_blocks=101,
                     block_size_tokens=128, prompt_tokens_total=prompt, prompt_tokens_computed_total=computed,
                     prompt_tokens_local_cache_hit_total=counted_hits, generation_tokens_total=generated,
                     prompt_tokens_admitted_total=admitted, prompt_tokens_admitted_cached_total=admitted_hits,
                     finished_prompt_tokens_total=finished_prompt, finished_generation_tokens_total=finished_generated,
-                    engine_steps_total=steps)
+                    engine_steps_total=steps, inter_token_latency=itl)
+
+
+def test_a_chunk_is_read_where_it_stood_in_its_prompt() -> None:
+    """A 6,000-token prompt beside one chat: 2,048 of it computed at the first poll, a 2,047-token chunk (the
+    budget less the chat's token) by the second, the last 1,905 tokens and its first token by the third.
+    The chat holds 1,535 tokens, then 1,536 and 1,537: 12 blocks, then 13. A token at position k attends
+    to k tokens, so a chunk from k0 to k1 attends to (k1^2 - k0^2) / 2 in all."""
+    chat_prompt, long_prompt = 1000, 6000
+    first = _engine(usage=(12 + 16) / 100, prompt=chat_prompt, generated=535, admitted=chat_prompt + long_prompt,
+                    computed=chat_prompt, steps=10, itl_observations=534)
+    second = _engine(usage=(12 + 32) / 100, prompt=chat_prompt, generated=536, admitted=chat_prompt + long_prompt,
+                     computed=chat_prompt, steps=11, itl_observations=535)
+    third = _engine(usage=(13 + 47) / 100, prompt=chat_prompt + long_prompt, generated=538,
+                    admitted=chat_prompt + long_prompt, computed=chat_prompt + long_prompt, steps=12,
+                    itl_observations=536)
+    went_on = compute_window(first, second)
+    # KV slots 2,048 .. 4,095 of the prompt; the chat's one partly filled slot reads as a 2,049th token.
+    assert went_on.prefill_tokens_per_step == pytest.approx(2047)
+    assert went_on.prefill_mean_context_tokens == pytest.approx((4096 ** 2 - 2049 ** 2) / 2 / 2047)
+    assert went_on.prefill_mean_context_tokens == pytest.approx(2048 + 2047 / 2, abs=2)
+    finished = compute_window(second, third)
+    assert finished.prefill_tokens_per_step is not None and finished.prefill_mean_context_tokens is not None
+    # The window computed the prompt's last 1,905 tokens. What they attended to is placed within a position
+    # each (the KV cache read the prompt's 4,095 tokens as 4,096), however many tokens the cache's growth
+    # reads the window as (here the chat's new block too: 2,045).
+    attended = finished.prefill_tokens_per_step * finished.prefill_mean_context_tokens
+    assert attended == pytest.approx((long_prompt ** 2 - 4095 ** 2) / 2, abs=long_prompt)
+    # A page without the ITL histogram cannot say how many prompts were counted: where they stood is unknown.
+    no_itl = [replace(snapshot, inter_token_latency=None) for snapshot in (first, second)]
+    assert compute_window(*no_itl).prefill_mean_context_tokens is None
 
 
 def test_a_chunk_is_placed_only_while_a_prompt_is_part_way() -> None:

@@ -87,6 +87,10 @@ PER_TARGET: tuple[PerTarget, ...] = (
     PerTarget("stepbudget_prefill_tokens_per_step", "gauge",
               "Prompt tokens computed per engine step over the last poll window (prefix-cache hits excluded).",
               _field("prefill_tokens_per_step")),
+    PerTarget("stepbudget_prefill_mean_context_tokens", "gauge",
+              "Mean context a prompt token computed in the last poll window attended to (its position in its "
+              "prompt): a prefill chunk's attention grows with it (vLLM only; docs/engines.md).",
+              _field("prefill_mean_context_tokens")),
     PerTarget("stepbudget_step_read_bytes", "gauge",
               "Predicted bytes one decode step reads per GPU: weights plus the KV cache of every running request.",
               _field("step_read_bytes")),

@@ -119,6 +119,9 @@ class FitWindow:
     # the config's, a page's fp8 cache would read as half the bandwidth's worth of KV bytes too many.
     kv_cache_dtype: str | None = None
     block_size_tokens: int | None = None
+    # The mean context the window's prefill tokens attended to (Window.prefill_mean_context_tokens): a
+    # chunk after thousands of its prompt's tokens takes longer than the same chunk at its prompt's start.
+    prefill_mean_context_tokens: float | None = None
 
     @property
     def usable(self) -> bool:
@@ -250,7 +253,7 @@ def _columns(seed: model.ServingSetup, window: FitWindow) -> _Columns:
     compute = setup.effective_compute_flops_per_second
     phases, running = [], 0.0
     for tokens, share in mix:
-        step = model.predict_step(setup, groups, tokens)
+        step = model.predict_step(setup, groups, tokens, prefill_mean_context_tokens=window.prefill_mean_context_tokens)
         running = step.decode_tokens
         phases.append(_Phase(share / total, step.weight_read_bytes, step.kv_read_bytes,
                              step.gemm_compute_seconds * compute, step.attention_compute_seconds * compute))
@@ -612,7 +615,7 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
         window = FitWindow(reading.last_success_timestamp_seconds or now_seconds, reading.tokens_in_flight,
                            reading.requests_running, reading.prefill_tokens_per_step or 0.0,
                            reading.measured_step_seconds, fit_mix(reading.prefill_mix), reading.kv_cache_dtype,
-                           reading.block_size_tokens)
+                           reading.block_size_tokens, reading.prefill_mean_context_tokens)
         if window.usable:
             found.setdefault(reading.deployment, []).append((reading.identity, window))
     return found

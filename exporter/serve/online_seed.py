@@ -2,7 +2,8 @@
 from Prometheus (`/api/v1/query_range` over `history`) and turn them into fit windows.
 
 A window is rebuilt with what the live fit had: tokens in flight, running requests, prefill per step,
-the measured step, the window's prefill mix (stepbudget_prefill_mix_tokens / _share_ratio) and the
+the measured step, the window's prefill mix (stepbudget_prefill_mix_tokens / _share_ratio), the mean context
+its prefill tokens attended to (stepbudget_prefill_mean_context_tokens) and the
 KV dtype and block size its engine ran with (stepbudget_window_setup_info). Only the windows whose
 `setup` is the deployment's now are kept: after a change of GPU, tensor parallelism or quantization
 the old setup's windows say nothing about the new one's terms, and a window of no known setup (a
@@ -48,6 +49,7 @@ SERIES = {
     "tokens": "stepbudget_tokens_in_flight",
     "running": "stepbudget_requests_running",
     "prefill": "stepbudget_prefill_tokens_per_step",
+    "context": "stepbudget_prefill_mean_context_tokens",
     "step": "stepbudget_measured_step_seconds",
     "mix_tokens": MIX_TOKENS_METRIC,
     "mix_share": MIX_SHARE_METRIC,
@@ -166,6 +168,7 @@ def windows_from_prometheus(url: str, deployment: str, start: float, end: float,
         block = found[0].get("block_size", "")
         window = replace(window, prefill_mix=mix_from_parts(parts["mix_tokens"].get((key, moment)),
                                                             parts["mix_share"].get((key, moment))),
+                         prefill_mean_context_tokens=values["context"].get((key, moment)),
                          kv_cache_dtype=found[0].get("kv_cache_dtype") or None,
                          block_size_tokens=int(block) if block.isdigit() and int(block) > 0 else None)
         history.windows.append((identities[key], window))

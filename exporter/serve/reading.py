@@ -31,7 +31,8 @@ IDLE_CONTEXT_TOKENS = 2000.0
 VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
                 "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
                 "kv_cache_reserved_tokens",
-                "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step", "step_read_bytes",
+                "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step",
+                "prefill_mean_context_tokens", "step_read_bytes",
                 "server_step_read_bytes", "step_read_bytes_ratio", "predicted_step_seconds",
                 "predicted_memory_step_seconds", "predicted_compute_step_seconds", "measured_step_seconds",
                 "measured_step_median_seconds", "measured_step_median_lower_seconds",
@@ -47,7 +48,10 @@ WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_rati
                  "measured_user_tokens_per_second")
 # Values from families only some releases or server flags give (vLLM 0.32's waiting-by-reason and
 # sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
+# Where the window's prefill tokens stood in their prompts: only vLLM's pages say, and only where the window
+# computed some (Window.prefill_mean_context_tokens).
 OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
+                   "prefill_mean_context_tokens",
                    "engine_sleeping", "kv_cache_reserved_tokens")
 
 
@@ -83,6 +87,9 @@ class Reading:
     requests_waiting_for_capacity: float | None = None
     preemptions_total: float | None = None
     prefill_tokens_per_step: float | None = None
+    # The mean context the window's computed prompt tokens attended to (Window.prefill_mean_context_tokens):
+    # what the prediction counts the prefill's attention with.
+    prefill_mean_context_tokens: float | None = None
     step_read_bytes: float | None = None
     # The server's own estimate of bytes read per step over the window, and ours over the same window
     # divided by it (docs/model.md says what each counts).
@@ -292,7 +299,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     occupancy = _occupancy(setup, snapshot, running, notes)
     tokens = occupancy.tokens_in_flight
 
-    measured_mean = prefill = server_bytes = None
+    measured_mean = prefill = prefill_context = server_bytes = None
     median: Median = (None, None, None)
     prefill_mix = None
     server_wide = "inter_token_latency" in snapshot.server_wide
@@ -304,6 +311,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
                       _valid(upper, MEDIAN_FIELDS[2], notes))
         prefill = _valid(window.prefill_tokens_per_step, "prefill_tokens_per_step", notes)
         prefill_mix = window.prefill_mix
+        prefill_context = _valid(window.prefill_mean_context_tokens, "prefill_mean_context_tokens", [])
         server_bytes = _valid(window.server_read_bytes_per_step, "server_step_read_bytes", notes)
         notes.extend(window.notes)
         if window.admission_rejections:
@@ -332,7 +340,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         kv_cache_reserved_tokens=_valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", []),
         requests_running=running, requests_waiting=waiting, requests_waiting_for_capacity=waiting_for_capacity,
         preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
-        prefill_tokens_per_step=prefill, server_step_read_bytes=server_bytes,
+        prefill_tokens_per_step=prefill, prefill_mean_context_tokens=prefill_context if prefill else None,
+        server_step_read_bytes=server_bytes,
         measured_step_seconds=measured_mean, measured_step_median_seconds=median[0],
         measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
         measured_user_tokens_per_second=per_step / measured_mean if measured_mean else None,
@@ -352,7 +361,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     # Draft tokens are verified in the step: query tokens beside one per request, in its GEMMs (on a
     # memory-bound step they add little; attention reads the same KV once for all of a request's queries).
     drafts = (window.draft_tokens_per_step or 0.0) if window is not None else 0.0
-    prediction, predicted = _predicted_load(setup, tokens, running, prefill or 0.0, drafts, prefill_mix)
+    prefill_load = PrefillLoad(prefill or 0.0, reading.prefill_mean_context_tokens, drafts, prefill_mix)
+    prediction, predicted = _predicted_load(setup, tokens, running, prefill_load)
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
     # The window's start, only where a measurement is set beside it (this runs on every poll of every
     # target): this engine's measured step, the server-wide one its prediction is combined into
@@ -361,7 +371,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     start = _window_start_load(setup, window) if scored else None
     window_predicted, window_bytes = predicted, None
     if start is not None:
-        first, at_start = _predicted_load(setup, *start, prefill or 0.0, drafts, prefill_mix)
+        first, at_start = _predicted_load(setup, *start, prefill_load)
         window_predicted = (at_start + predicted) / 2.0
         # Exact where bytes grow linearly with the tokens in flight, as they do while every request adds
         # one token a step.
@@ -402,14 +412,38 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
     return replace_reading(asleep, lacking=_lacking(asleep, snapshot))
 
 
-def _predicted_load(setup: model.ServingSetup, tokens: float, running: float, prefill: float, drafts: float,
-                    prefill_mix: Sequence[tuple[float, float]] | None) -> tuple[model.StepPrediction, float]:
+@dataclass(frozen=True)
+class PrefillLoad:
+    """What a window's steps computed beside one token per running request: prefill tokens per step, the
+    mean context they attended to (None: not known, their attention not counted), the draft tokens
+    speculative decoding verifies per step, and the steps' mix by prefill tokens."""
+
+    tokens_per_step: float
+    mean_context_tokens: float | None = None
+    draft_tokens_per_step: float = 0.0
+    mix: Sequence[tuple[float, float]] | None = None
+
+    @property
+    def gemm_mean_context_tokens(self) -> float | None:
+        """The mean context spread over the prefill and draft tokens the GEMMs count, so that the prefill
+        tokens alone carry the attention: a draft token's attention reads its request's KV with the
+        request's own query, which the KV term counts."""
+        if self.mean_context_tokens is None or self.tokens_per_step <= 0:
+            return None
+        return self.mean_context_tokens * self.tokens_per_step / (self.tokens_per_step + self.draft_tokens_per_step)
+
+
+def _predicted_load(setup: model.ServingSetup, tokens: float, running: float, prefill: PrefillLoad
+                    ) -> tuple[model.StepPrediction, float]:
     """A load's step at the window's mean prefill, and the mean of the window's steps: with its
     prefill mix, the mean over the mix, not the step at the mean prefill (DESIGN §2)."""
-    step = model.predict_step(setup, model.groups_from_total(tokens, running), prefill + drafts)
-    if not prefill_mix:
+    drafts, context = prefill.draft_tokens_per_step, prefill.gemm_mean_context_tokens
+    step = model.predict_step(setup, model.groups_from_total(tokens, running), prefill.tokens_per_step + drafts,
+                              prefill_mean_context_tokens=context)
+    if not prefill.mix:
         return step, step.step_seconds
-    return step, model.mean_step_over_mix(setup, step, [(part + drafts, share) for part, share in prefill_mix])
+    return step, model.mean_step_over_mix(setup, step, [(part + drafts, share) for part, share in prefill.mix],
+                                          context)
 
 
 def _window_start_load(setup: model.ServingSetup, window: Window | None) -> tuple[float, float] | None:

@@ -58,6 +58,9 @@ class Window:
     # which the step computes as extra query tokens beside the one per request.
     tokens_per_step: float | None = None
     draft_tokens_per_step: float | None = None
+    # The mean context a prompt token computed in the window attended to (its position in its prompt,
+    # `_prefill_mean_context_tokens`): what a chunk's attention grows with. None where the page cannot say.
+    prefill_mean_context_tokens: float | None = None
 
     @property
     def measured_step_median_point_seconds(self) -> float | None:
@@ -222,6 +225,89 @@ def _prompt_in_progress_change(previous: Snapshot, current: Snapshot) -> float |
     if beyond_before is None or beyond_now is None:
         return None
     return min(uncounted_now, max(-uncounted_before, beyond_now - beyond_before))
+
+
+def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: _PromptTokens) -> float | None:
+    """The mean context a prompt token computed in the window attended to: its position in its prompt.
+
+    Why: a prompt token attends to every token of its prompt before it, so a chunk's attention grows
+    with what its prompt already holds. A 2,048-token chunk after 4,096 tokens of its prompt attends to
+    2,048 x 5,120 pairs, five times the first chunk's 2,048 x 1,024; the GEMMs are the same. A prompt of L
+    tokens, of which the first h were prefix-cache hits, computes L - h tokens that attend to
+    (L^2 - h^2) / 2 in all.
+
+    vLLM only (its pages say where a prompt is; SGLang's and TGI's do not):
+      * the prompts counted in the window are its first tokens (`_first_tokens`), of the counted
+        prompt tokens (hits included) and computed ones: taken as that many prompts of equal length;
+      * a prompt part-way at the window's start (`_part_way_at`: its whole uncounted length, known
+        since its admission, and the tokens computed so far) either finished here, when the window
+        counted at least its length, or went on: its tokens computed here are those past what it had;
+      * a prompt part-way at the end that was not at the start began here, from its first token.
+    Where it is off: prompts of unequal length counted in one window read as equal (a long one beside
+    chats is then read short: a prompt under the step's budget is computed in one step, not in chunks);
+    a part-way prompt's own cache hits are not on the page (its positions start at 0); and the tokens
+    computed so far are the KV cache's, less half a block for each running request (the partly filled
+    last blocks), give or take a few hundred tokens on the CPU backend's 128-token blocks.
+    """
+    computed, counted = prompt.computed, prompt.counted
+    positions = _delta(previous, current, "prompt_tokens_total")
+    prompts = _first_tokens(previous, current)
+    if current.kind != "vllm" or not computed or computed <= 0 or counted is None or positions is None \
+            or prompts is None:
+        return None
+    attended, finished_length = _part_way_attended(previous, current, prompt.in_progress, counted)
+    if finished_length:  # the part-way prompt finished here: the rest are the window's own prompts
+        counted, positions, prompts = counted - finished_length, positions - finished_length, prompts - 1
+    if counted > 0:
+        if prompts < 1:  # counted prompt tokens, yet no first token: the page contradicts itself
+            return None
+        positions = max(positions, counted)
+        length, hits = positions / prompts, (positions - counted) / prompts
+        attended += prompts * (length ** 2 - hits ** 2) / 2.0
+    return attended / computed
+
+
+def _part_way_attended(previous: Snapshot, current: Snapshot, in_progress: float | None, counted: float
+                       ) -> tuple[float, float]:
+    """(What the tokens computed in the window of the prompts part-way at either end attended to, the
+    uncounted length of the one part-way at the start where it finished in the window, else 0)."""
+    at_start, at_end = _part_way_at(previous), _part_way_at(current)
+    if in_progress is None or at_start is None or at_end is None:
+        return 0.0, 0.0
+    (length, done_before), (_, done_at_end) = at_start, at_end
+    # The same requests' partly filled blocks cancel in the KV cache's growth: a prompt that went on or
+    # began is placed by it; where one finished and another began, the end's own reading places the latter.
+    done_now = min(max(0.0, done_before + in_progress), _uncounted_prompt_tokens(current) or 0.0)
+    if length > 0 and counted >= length:  # finished here; another may have begun
+        return (length ** 2 - done_before ** 2) / 2.0 + done_at_end ** 2 / 2.0, length
+    if length > 0:  # went on
+        return max(0.0, done_now ** 2 - done_before ** 2) / 2.0, 0.0
+    return done_now ** 2 / 2.0, 0.0  # began here
+
+
+def _first_tokens(previous: Snapshot, current: Snapshot) -> float | None:
+    """Prompts that finished their prefill in the window: each emits its first token, counted in
+    vllm:generation_tokens_total but observed as a TTFT, not an ITL (0.32.0 vllm/v1/metrics/stats.py
+    l. 516-523 and 548-552); a decoding request-step's accepted drafts are generation tokens too."""
+    generated = _delta(previous, current, "generation_tokens_total")
+    before, now = previous.inter_token_latency, current.inter_token_latency
+    if generated is None or before is None or now is None:
+        return None
+    accepted = _delta(previous, current, "spec_decode_accepted_tokens_total") or 0.0
+    return max(0.0, generated - (now.count - before.count) - accepted)
+
+
+def _part_way_at(snapshot: Snapshot) -> tuple[float, float] | None:
+    """(Uncounted length, tokens computed so far) of the prompts part-way through their prefill at a poll.
+
+    The length is exact: vLLM admits a prompt whole when it is first scheduled (`_uncounted_prompt_tokens`).
+    The tokens computed so far are the KV cache's beyond the counted ones (`_kv_tokens_beyond_counted`)
+    less the partly filled last block of each running request, half a block on average."""
+    uncounted, beyond = _uncounted_prompt_tokens(snapshot), _kv_tokens_beyond_counted(snapshot)
+    if uncounted is None or beyond is None:
+        return None
+    partly_filled = (snapshot.requests_running or 0.0) * (snapshot.block_size_tokens or 0) / 2.0
+    return uncounted, min(max(0.0, beyond - partly_filled), uncounted)
 
 
 def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
@@ -531,4 +617,5 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         measured_step_median_upper_seconds=median.upper if median and math.isfinite(median.upper) else None,
         tokens_per_step=per_step,
         draft_tokens_per_step=_draft_tokens_per_step(previous, current, steps),
+        prefill_mean_context_tokens=_prefill_mean_context_tokens(previous, current, prompt) if prefill else None,
     )

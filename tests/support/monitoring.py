@@ -36,6 +36,7 @@ DAEMON_METRICS: frozenset[str] = frozenset(
         "stepbudget_requests_waiting",
         "stepbudget_preemptions_total",
         "stepbudget_prefill_tokens_per_step",
+        "stepbudget_prefill_mean_context_tokens",
         "stepbudget_step_read_bytes",
         "stepbudget_predicted_step_seconds",
         "stepbudget_predicted_memory_step_seconds",
