@@ -324,7 +324,8 @@ class _StepWork:
     @classmethod
     def of(cls, setup: model.ServingSetup, window: FitWindow) -> _StepWork:
         step = model.predict_step(setup, model.groups_from_total(window.tokens_in_flight, window.running),
-                                  window.prefill_tokens_per_step)
+                                  window.prefill_tokens_per_step,
+                                  prefill_mean_context_tokens=window.prefill_mean_context_tokens)
         flops = setup.effective_compute_flops_per_second
         return cls(window.running, step.weight_read_bytes, step.kv_read_bytes,
                    step.gemm_compute_seconds * flops, step.attention_compute_seconds * flops)
