@@ -136,14 +136,16 @@ def test_each_window_reads_where_in_its_prompts_the_tokens_it_computed_stood(
     blocks; each of those is anywhere in its block, about 165 tokens either way in all (128 x sqrt(20 / 12)),
     so the arithmetic is held within two blocks either way of where each part-way prompt stood."""
     first_chunk = _chunk_tokens(*windows[0][:2])
-    before, after, window = windows[0]
-    assert _attended_in(before, after, window) == pytest.approx(first_chunk ** 2 / 2, rel=1e-6)
 
     def held(attended: Callable[[float, float], float], first: float, second: float) -> tuple[float, float]:
         """The lowest and highest of `attended`, decreasing in its first and increasing in its second
         argument, with each within two blocks of where the arithmetic puts it."""
         return (attended(first + 2 * BLOCK_TOKENS, second - 2 * BLOCK_TOKENS),
                 attended(first - 2 * BLOCK_TOKENS, second + 2 * BLOCK_TOKENS))
+
+    before, after, window = windows[0]
+    low, high = held(lambda _, first_so_far: first_so_far ** 2 / 2, 0.0, first_chunk)
+    assert low <= _attended_in(before, after, window) <= high
 
     before, after, window = windows[1]
     second_step = _chunk_tokens(before, after)
@@ -157,3 +159,12 @@ def test_each_window_reads_where_in_its_prompts_the_tokens_it_computed_stood(
     low, high = held(lambda second_so_far, _: (AGENT_PROMPT_TOKENS ** 2 - second_so_far ** 2) / 2
                      + chat_prompt ** 2 / 2, second_prompt_so_far, 0.0)
     assert low <= _attended_in(before, after, window) <= high
+
+
+def test_over_the_windows_each_prompts_attention_is_read_once(windows: list[tuple[str, str, Window]]) -> None:
+    """Each poll has one reading of how far a part-way prompt had got, so what the windows read of its
+    attention adds up to its own, L^2 / 2, however far off each reading is: the two agents' prompts and
+    the chat prompt counted in the last window, from no prompt part-way at the first page to none at the last."""
+    chat_prompt = _delta(*windows[2][:2], "vllm:prefix_cache_queries_total")
+    total = sum(_attended_in(before, after, window) for before, after, window in windows)
+    assert total == pytest.approx(2 * AGENT_PROMPT_TOKENS ** 2 / 2 + chat_prompt ** 2 / 2, rel=1e-9)

@@ -358,6 +358,34 @@ def test_a_chunk_is_read_where_it_stood_in_its_prompt() -> None:
     assert compute_window(*no_itl).prefill_mean_context_tokens is None
 
 
+def test_a_long_prompt_counted_beside_chats_is_read_from_its_own_step() -> None:
+    """On a GPU a long prompt is admitted and counted within one poll: a 4,000-token prompt and three chats'
+    100-token prompts, 40 requests decoding, 24 steps. Their computed tokens attend to 4,000^2 / 2 +
+    3 x 100^2 / 2 = 8,015,000 pairs; read as 4 prompts of equal length it would be 4 x 1,075^2 / 2 =
+    2,311,250. The iteration-tokens histogram observes each prompt in its own step: the long one's in the
+    (2,048, 4,096] bucket, placed inside it by the known token total, within a quarter."""
+    edges = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, math.inf)
+
+    def engine(steps: list[int], prompt: float, generated: float, itl: float) -> Snapshot:
+        iteration = Histogram(tuple((edge, float(sum(1 for t in steps if t <= edge))) for edge in edges),
+                              float(len(steps)), float(sum(steps)))
+        return Snapshot(kind="vllm", model_name="m", engine="0", requests_running=40, prompt_tokens_total=prompt,
+                        prompt_tokens_computed_total=prompt, generation_tokens_total=generated,
+                        engine_steps_total=len(steps), iteration_tokens=iteration,
+                        inter_token_latency=Histogram(((math.inf, itl),), itl, 0.03 * itl))
+
+    decode_steps = [40] * 10
+    window_steps = [40] * 20 + [4000 + 40] + [100 + 40] * 3
+    # 24 steps of 40 decoding requests: 960 ITL observations, and 4 first tokens
+    window = compute_window(engine(decode_steps, 1000, 400, 400),
+                            engine(decode_steps + window_steps, 1000 + 4300, 400 + 960 + 4, 400 + 960))
+    assert window.prefill_tokens_per_step == pytest.approx(4300 / 24)
+    assert window.prefill_mean_context_tokens is not None
+    attended = window.prefill_mean_context_tokens * 4300
+    assert attended == pytest.approx((4000 ** 2 + 3 * 100 ** 2) / 2, rel=0.25)
+    assert attended > 2 * 4 * (4300 / 4) ** 2 / 2
+
+
 def test_a_chunk_is_placed_only_while_a_prompt_is_part_way() -> None:
     """The KV cache grows by 16 blocks in one step while nothing is counted: with a 2,048-token prompt
     admitted and uncounted it is that prompt's chunk; with nothing admitted (prefix caching off: vLLM

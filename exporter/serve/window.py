@@ -232,22 +232,25 @@ def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: 
 
     Why: a prompt token attends to every token of its prompt before it, so a chunk's attention grows
     with what its prompt already holds. A 2,048-token chunk after 4,096 tokens of its prompt attends to
-    2,048 x 5,120 pairs, five times the first chunk's 2,048 x 1,024; the GEMMs are the same. A prompt of L
-    tokens, of which the first h were prefix-cache hits, computes L - h tokens that attend to
-    (L^2 - h^2) / 2 in all.
+    2,048 x 5,120 pairs, five times the first chunk's 2,048 x 1,024; the GEMMs are the same. A prompt
+    whose first h tokens were prefix-cache hits computes c more, which attend to c x h + c^2 / 2 in all.
 
     vLLM only (its pages say where a prompt is; SGLang's and TGI's do not):
-      * the prompts counted in the window are its first tokens (`_first_tokens`), of the counted
-        prompt tokens (hits included) and computed ones: taken as that many prompts of equal length;
       * a prompt part-way at the window's start (`_part_way_at`: its whole uncounted length, known
         since its admission, and the tokens computed so far) either finished here, when the window
-        counted at least its length, or went on: its tokens computed here are those past what it had;
-      * a prompt part-way at the end that was not at the start began here, from its first token.
-    Where it is off: prompts of unequal length counted in one window read as equal (a long one beside
-    chats is then read short: a prompt under the step's budget is computed in one step, not in chunks);
-    a part-way prompt's own cache hits are not on the page (its positions start at 0); and the tokens
-    computed so far are the KV cache's, less half a block for each running request (the partly filled
-    last blocks), give or take a few hundred tokens on the CPU backend's 128-token blocks.
+        counted at least its length, or went on; one part-way at the end and not at the start began
+        here. Each poll has one reading of how far it had got, so over a prompt's windows its chunks'
+        attention adds up to its own, whatever each reading's error (`_part_way_attended`);
+      * the other prompts counted in the window are its first tokens (`_first_tokens`). What their
+        computed tokens attend to of each other, the sum of c^2 / 2, is read from the iteration-tokens
+        histogram, which observes each prompt's computed tokens in the step that finishes it
+        (`_counted_prefill_steps`; several finishing in one step read as one, an upper bound), held
+        between what equal prompts and one prompt would give; their cache hits, the sum of c x h, are
+        taken as the same for each prompt (the window's hits over its prompts).
+    Where it is off: a part-way prompt's own cache hits are not on the page (its positions start at 0),
+    and how far it had got is the KV cache's tokens beyond the counted ones less half a block for each
+    running request (the partly filled last blocks), give or take a few hundred tokens on the CPU
+    backend's 128-token blocks.
     """
     computed, counted = prompt.computed, prompt.counted
     positions = _delta(previous, current, "prompt_tokens_total")
@@ -256,33 +259,40 @@ def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: 
             or prompts is None:
         return None
     attended, finished_length = _part_way_attended(previous, current, prompt.in_progress, counted)
+    own_squares = _counted_squares(previous, current, counted)
     if finished_length:  # the part-way prompt finished here: the rest are the window's own prompts
         counted, positions, prompts = counted - finished_length, positions - finished_length, prompts - 1
+        own_squares = None if own_squares is None else own_squares - finished_length ** 2 / 2.0
     if counted > 0:
         if prompts < 1:  # counted prompt tokens, yet no first token: the page contradicts itself
             return None
-        positions = max(positions, counted)
-        length, hits = positions / prompts, (positions - counted) / prompts
-        attended += prompts * (length ** 2 - hits ** 2) / 2.0
+        equal, one = counted ** 2 / 2.0 / prompts, counted ** 2 / 2.0
+        hits = max(0.0, positions - counted) / prompts
+        attended += min(max(own_squares if own_squares is not None else equal, equal), one) + counted * hits
     return attended / computed
 
 
 def _part_way_attended(previous: Snapshot, current: Snapshot, in_progress: float | None, counted: float
                        ) -> tuple[float, float]:
     """(What the tokens computed in the window of the prompts part-way at either end attended to, the
-    uncounted length of the one part-way at the start where it finished in the window, else 0)."""
+    uncounted length of the one part-way at the start where it finished in the window, else 0).
+
+    A prompt's tokens k0+1 .. k1 attend to (k1^2 - k0^2) / 2: with one reading of k per poll, the sum
+    over the windows a prompt spans is its L^2 / 2 whatever each reading's error."""
     at_start, at_end = _part_way_at(previous), _part_way_at(current)
     if in_progress is None or at_start is None or at_end is None:
         return 0.0, 0.0
-    (length, done_before), (_, done_at_end) = at_start, at_end
-    # The same requests' partly filled blocks cancel in the KV cache's growth: a prompt that went on or
-    # began is placed by it; where one finished and another began, the end's own reading places the latter.
-    done_now = min(max(0.0, done_before + in_progress), _uncounted_prompt_tokens(current) or 0.0)
+    (length, done_before), (_, done_now) = at_start, at_end
     if length > 0 and counted >= length:  # finished here; another may have begun
-        return (length ** 2 - done_before ** 2) / 2.0 + done_at_end ** 2 / 2.0, length
-    if length > 0:  # went on
-        return max(0.0, done_now ** 2 - done_before ** 2) / 2.0, 0.0
-    return done_now ** 2 / 2.0, 0.0  # began here
+        return (length ** 2 - done_before ** 2) / 2.0 + done_now ** 2 / 2.0, length
+    return max(0.0, done_now ** 2 - done_before ** 2) / 2.0, 0.0  # went on, or began here (from 0)
+
+
+def _counted_squares(previous: Snapshot, current: Snapshot, counted: float) -> float | None:
+    """The sum of c^2 / 2 over the window's counted prompts, c each one's computed tokens, from the
+    iteration-tokens histogram (one observation per finishing step: `_counted_prefill_steps`)."""
+    steps = _counted_prefill_steps(previous, current, counted, [])
+    return None if steps is None else sum(count * tokens ** 2 / 2.0 for tokens, count in steps)
 
 
 def _first_tokens(previous: Snapshot, current: Snapshot) -> float | None:
@@ -457,13 +467,8 @@ def _server_read_bytes_per_step(previous: Snapshot, current: Snapshot, steps: fl
 
 def _prefill_mix(previous: Snapshot, current: Snapshot, counted: float | None, prefill_per_step: float | None,
                  notes: list[str]) -> tuple[tuple[float, float], ...] | None:
-    """The window's steps as (prefill tokens, share), from vllm:iteration_tokens_total's buckets.
-
-    Each observation is one step's computed prompt tokens plus its sampled tokens (0.23.0 on;
-    0.33.0 vllm/v1/metrics/loggers.py l. 1273). Releases before 0.23.0 observe the full prompt,
-    cache hits included (0.11.0 vllm/v1/metrics/stats.py l. 119-120): there the buckets disagree
-    with the computed-token count and are not used. A step's sampled tokens are taken as the
-    window's mean (generation tokens / steps); the rest of the step is prefill.
+    """The window's steps as (prefill tokens, share), from vllm:iteration_tokens_total's buckets
+    (`_counted_prefill_steps`).
 
     The histogram observes a prompt in the step that finishes it, as the counters count it: where a
     prompt was part-way at an end of the window, the buckets hold the prompt tokens the server counted,
@@ -471,15 +476,37 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, counted: float | None, p
     window whose histogram holds no prompt token while its steps computed chunks has no mix (a lone
     chunk's step and its decode-only neighbours look alike in the buckets): it is predicted at its mean.
     """
-    before_h, now_h = previous.iteration_tokens, current.iteration_tokens
     steps = _delta(previous, current, "engine_steps_total")
-    generated = _delta(previous, current, "generation_tokens_total")
-    if (before_h is None or now_h is None or prefill_per_step is None or not steps or steps <= 0
-            or generated is None or counted is None or not _same_edges(before_h, now_h)):
+    if counted is None or prefill_per_step is None or not steps or steps <= 0:
         return None
     counted_per_step = counted / steps
     if counted_per_step <= 0 < prefill_per_step:
         return None
+    tokens = _counted_prefill_steps(previous, current, counted, notes)
+    if tokens is None:
+        return None
+    count = sum(n for _, n in tokens)
+    placed = prefill_per_step / counted_per_step if counted_per_step > 0 else 1.0
+    return tuple((value * placed, n / count) for value, n in tokens)
+
+
+def _counted_prefill_steps(previous: Snapshot, current: Snapshot, counted: float | None, notes: list[str]
+                           ) -> list[tuple[float, float]] | None:
+    """(Counted prompt tokens in a step, steps) for each occupied bucket of vllm:iteration_tokens_total.
+
+    Each observation is one step's computed prompt tokens plus its sampled tokens (0.23.0 on;
+    0.33.0 vllm/v1/metrics/loggers.py l. 1273). Releases before 0.23.0 observe the full prompt,
+    cache hits included (0.11.0 vllm/v1/metrics/stats.py l. 119-120): there the buckets disagree
+    with the computed-token count and are not used. A step's sampled tokens are taken as the
+    window's mean (generation tokens / steps); the rest of the step is prefill.
+    """
+    before_h, now_h = previous.iteration_tokens, current.iteration_tokens
+    steps = _delta(previous, current, "engine_steps_total")
+    generated = _delta(previous, current, "generation_tokens_total")
+    if (before_h is None or now_h is None or not steps or steps <= 0 or generated is None or counted is None
+            or not _same_edges(before_h, now_h)):
+        return None
+    counted_per_step = counted / steps
     decode_per_step = max(0.0, generated / steps)
     histogram_prefill = (now_h.sum - before_h.sum) / steps - decode_per_step
     if abs(histogram_prefill - counted_per_step) > _MIX_AGREEMENT * max(counted_per_step + decode_per_step, 1.0):
@@ -490,9 +517,7 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, counted: float | None, p
     tokens = step_tokens_in_buckets(_bucket_deltas(before_h, now_h), total_tokens, decode_per_step)
     if tokens is None:
         return None
-    count = sum(n for _, n in tokens)
-    placed = prefill_per_step / counted_per_step if counted_per_step > 0 else 1.0
-    return tuple((max(0.0, value - decode_per_step) * placed, n / count) for value, n in tokens)
+    return [(max(0.0, value - decode_per_step), n) for value, n in tokens]
 
 
 def step_tokens_in_buckets(cumulative: Sequence[tuple[float, float]], total_tokens: float, typical_tokens: float
