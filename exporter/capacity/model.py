@@ -405,6 +405,12 @@ def prefill_attended_tokens(arch: Architecture, chunk_tokens: float, context_bef
     return chunk_tokens * _attended_tokens(arch, mean_context)
 
 
+def _prefill_attended_at_mean(arch: Architecture, prefill_tokens: float, mean_context_tokens: float) -> float:
+    """What `prefill_tokens` attend to in all where each attends to `mean_context_tokens` on average (a
+    server's window, wherever in their prompts its tokens stood; sliding layers stop at the window)."""
+    return prefill_tokens * _attended_tokens(arch, mean_context_tokens)
+
+
 # --- step time -------------------------------------------------------------------------------
 
 
@@ -436,7 +442,7 @@ def predict_step(
     if prefill_context_tokens is not None:
         attended += prefill_attended_tokens(arch, prefill_tokens_per_step, prefill_context_tokens)
     elif prefill_mean_context_tokens is not None:
-        attended += prefill_tokens_per_step * _attended_tokens(arch, prefill_mean_context_tokens)
+        attended += _prefill_attended_at_mean(arch, prefill_tokens_per_step, prefill_mean_context_tokens)
     return StepPrediction(
         tokens_in_flight=float(sum(group.tokens for group in groups)),
         decode_tokens=decode_tokens,
@@ -501,7 +507,7 @@ def _prefill_attention_seconds(setup: ServingSetup, prefill_tokens: float, mean_
     if mean_context_tokens is None or prefill_tokens <= 0:
         return 0.0
     arch = setup.architecture
-    attended = prefill_tokens * _attended_tokens(arch, mean_context_tokens)
+    attended = _prefill_attended_at_mean(arch, prefill_tokens, mean_context_tokens)
     return attention_flops(arch, attended, setup.tensor_parallel) / setup.effective_compute_flops_per_second
 
 

@@ -361,7 +361,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     # Draft tokens are verified in the step: query tokens beside one per request, in its GEMMs (on a
     # memory-bound step they add little; attention reads the same KV once for all of a request's queries).
     drafts = (window.draft_tokens_per_step or 0.0) if window is not None else 0.0
-    prefill_load = PrefillLoad(prefill or 0.0, reading.prefill_mean_context_tokens, drafts, prefill_mix)
+    prefill_load = _PrefillLoad(prefill or 0.0, reading.prefill_mean_context_tokens, drafts, prefill_mix)
     prediction, predicted = _predicted_load(setup, tokens, running, prefill_load)
     token_budget = _token_budget(setup, budget_seconds, tokens, running)
     # The window's start, only where a measurement is set beside it (this runs on every poll of every
@@ -413,7 +413,7 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
 
 
 @dataclass(frozen=True)
-class PrefillLoad:
+class _PrefillLoad:
     """What a window's steps computed beside one token per running request: prefill tokens per step, the
     mean context they attended to (None: not known, their attention not counted), the draft tokens
     speculative decoding verifies per step, and the steps' mix by prefill tokens."""
@@ -433,7 +433,7 @@ class PrefillLoad:
         return self.mean_context_tokens * self.tokens_per_step / (self.tokens_per_step + self.draft_tokens_per_step)
 
 
-def _predicted_load(setup: model.ServingSetup, tokens: float, running: float, prefill: PrefillLoad
+def _predicted_load(setup: model.ServingSetup, tokens: float, running: float, prefill: _PrefillLoad
                     ) -> tuple[model.StepPrediction, float]:
     """A load's step at the window's mean prefill, and the mean of the window's steps: with its
     prefill mix, the mean over the mix, not the step at the mean prefill (DESIGN §2)."""

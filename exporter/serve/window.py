@@ -149,33 +149,89 @@ def _delta(previous: Snapshot, current: Snapshot, name: str) -> float | None:
 
 
 @dataclass(frozen=True)
+class _PartWay:
+    """What a poll says of the prompts part-way through their prefill, read once per snapshot a window
+    holds: their whole uncounted length (`_uncounted_prompt_tokens`, exact) and the KV cache's tokens
+    beyond the counted ones (`_kv_tokens_beyond_counted`: their computed chunks, plus each running
+    request's partly filled last block, of which `partly_filled` is half a block each on average)."""
+
+    uncounted: float
+    beyond: float
+    partly_filled: float
+
+    @classmethod
+    def at(cls, snapshot: Snapshot) -> _PartWay | None:
+        uncounted, beyond = _uncounted_prompt_tokens(snapshot), _kv_tokens_beyond_counted(snapshot)
+        if uncounted is None or beyond is None:
+            return None
+        return cls(uncounted, beyond, (snapshot.requests_running or 0.0) * (snapshot.block_size_tokens or 0) / 2.0)
+
+    @property
+    def done(self) -> float:
+        """The part-way prompts' tokens computed so far: at least 0, at most their length."""
+        return min(max(0.0, self.beyond - self.partly_filled), self.uncounted)
+
+
+@dataclass(frozen=True)
 class _PromptTokens:
-    """A window's prompt tokens, read once: what the server counted as computed in it, and the change
-    in what a prompt part-way through its prefill at either end had computed (`_prompt_in_progress_change`;
-    None where none was part-way, or the page cannot say)."""
+    """A window's prompt tokens, read once: what the server counted as computed in it, and what each end
+    says of the prompts part-way through their prefill (None where the page cannot say)."""
 
     counted: float | None
-    in_progress: float | None
+    start: _PartWay | None
+    end: _PartWay | None
     notes: tuple[str, ...]
 
     @classmethod
     def of(cls, previous: Snapshot, current: Snapshot) -> _PromptTokens:
         notes: list[str] = []
         counted = _counted_prompt_tokens(previous, current, notes)
-        in_progress = _prompt_in_progress_change(previous, current)
+        start, end = _PartWay.at(previous), _PartWay.at(current)
+        in_progress = _in_progress_change(start, end)
         if counted is not None and in_progress:
             notes.append(f"a prompt was part-way through its prefill at an end of the window: {in_progress:+.0f} "
                          "prompt tokens computed here and counted in another window (vLLM counts a prompt when "
                          "its last chunk finishes), from the KV cache's growth")
-        return cls(counted, in_progress, tuple(notes))
+        return cls(counted, start, end, tuple(notes))
+
+    @property
+    def in_progress(self) -> float | None:
+        """`_in_progress_change` over the window."""
+        return _in_progress_change(self.start, self.end)
 
     @property
     def computed(self) -> float | None:
         """Prompt tokens the engine computed in the window: prefix-cache hits cost no prefill work, and
         the chunks of a prompt part-way at either end are counted where they ran."""
-        if self.counted is None or not self.in_progress:
+        in_progress = self.in_progress
+        if self.counted is None or not in_progress:
             return self.counted
-        return max(0.0, self.counted + self.in_progress)
+        return max(0.0, self.counted + in_progress)
+
+
+def _in_progress_change(start: _PartWay | None, end: _PartWay | None) -> float | None:
+    """The change over the window in prompt tokens computed but not yet counted; None where none was
+    part-way through its prefill at either end, or the page cannot say.
+
+    vLLM counts a prompt, as prompt_tokens_total and by source, in the step that finishes its prefill
+    and emits its first token (0.32.0 vllm/v1/metrics/stats.py l. 516-519); the chunks before it emit
+    nothing (vllm/v1/core/sched/scheduler.py l. 2200-2202). A prompt longer than the step's token
+    budget (2,048 by default) is computed over several steps, and on a slow engine over several
+    windows: counted, the window of its last chunk would hold all of it and the windows before none,
+    while their steps took seconds. Two facts on the page place the chunks:
+      * the prompt tokens admitted and not yet counted, `_uncounted_prompt_tokens`: what may be
+        part-way (0 at both ends: the counters are exact, no correction);
+      * the KV cache: a chunk's blocks are allocated as it is scheduled (kv_cache_manager.py
+        `allocate_slots`), so the tokens the cache holds beyond those of the requests past their
+        prefill (`_kv_tokens_beyond_counted`) grow by each chunk and drop by the prompt when it is
+        counted.
+    The change of the latter is the chunks' tokens, give or take the partly filled last block of each
+    request (a few hundred tokens on the CPU backend's 128-token blocks, against a 2,048-token chunk),
+    held within what was part-way at each end: at least 0, at most the admitted, uncounted prompt.
+    """
+    if start is None or end is None or (start.uncounted <= 0 and end.uncounted <= 0):
+        return None
+    return min(end.uncounted, max(-start.uncounted, end.beyond - start.beyond))
 
 
 def _counted_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[str]) -> float | None:
@@ -198,36 +254,8 @@ def _counted_prompt_tokens(previous: Snapshot, current: Snapshot, notes: list[st
     return prompt
 
 
-def _prompt_in_progress_change(previous: Snapshot, current: Snapshot) -> float | None:
-    """The change over the window in prompt tokens computed but not yet counted; None where none was
-    part-way through its prefill at either end, or the page cannot say.
-
-    vLLM counts a prompt, as prompt_tokens_total and by source, in the step that finishes its prefill
-    and emits its first token (0.32.0 vllm/v1/metrics/stats.py l. 516-519); the chunks before it emit
-    nothing (vllm/v1/core/sched/scheduler.py l. 2200-2202). A prompt longer than the step's token
-    budget (2,048 by default) is computed over several steps, and on a slow engine over several
-    windows: counted, the window of its last chunk would hold all of it and the windows before none,
-    while their steps took seconds. Two facts on the page place the chunks:
-      * the prompt tokens admitted and not yet counted, `_uncounted_prompt_tokens`: what may be
-        part-way (0 at both ends: the counters are exact, no correction);
-      * the KV cache: a chunk's blocks are allocated as it is scheduled (kv_cache_manager.py
-        `allocate_slots`), so the tokens the cache holds beyond those of the requests past their
-        prefill (`_kv_tokens_beyond_counted`) grow by each chunk and drop by the prompt when it is
-        counted.
-    The change of the latter is the chunks' tokens, give or take the partly filled last block of each
-    request (a few hundred tokens on the CPU backend's 128-token blocks, against a 2,048-token chunk),
-    held within what was part-way at each end: at least 0, at most the admitted, uncounted prompt.
-    """
-    uncounted_before, uncounted_now = _uncounted_prompt_tokens(previous), _uncounted_prompt_tokens(current)
-    if uncounted_before is None or uncounted_now is None or (uncounted_before <= 0 and uncounted_now <= 0):
-        return None
-    beyond_before, beyond_now = _kv_tokens_beyond_counted(previous), _kv_tokens_beyond_counted(current)
-    if beyond_before is None or beyond_now is None:
-        return None
-    return min(uncounted_now, max(-uncounted_before, beyond_now - beyond_before))
-
-
-def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: _PromptTokens) -> float | None:
+def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: _PromptTokens,
+                                 counted_steps: list[tuple[float, float]] | None) -> float | None:
     """The mean context a prompt token computed in the window attended to: its position in its prompt.
 
     Why: a prompt token attends to every token of its prompt before it, so a chunk's attention grows
@@ -236,7 +264,7 @@ def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: 
     whose first h tokens were prefix-cache hits computes c more, which attend to c x h + c^2 / 2 in all.
 
     vLLM only (its pages say where a prompt is; SGLang's and TGI's do not):
-      * a prompt part-way at the window's start (`_part_way_at`: its whole uncounted length, known
+      * a prompt part-way at the window's start (`_PartWay`: its whole uncounted length, known
         since its admission, and the tokens computed so far) either finished here, when the window
         counted at least its length, or went on; one part-way at the end and not at the start began
         here. Each poll has one reading of how far it had got, so over a prompt's windows its chunks'
@@ -258,8 +286,8 @@ def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: 
     if current.kind != "vllm" or not computed or computed <= 0 or counted is None or positions is None \
             or prompts is None:
         return None
-    attended, finished_length = _part_way_attended(previous, current, prompt.in_progress, counted)
-    own_squares = _counted_squares(previous, current, counted)
+    attended, finished_length = _part_way_attended(prompt, counted)
+    own_squares = None if counted_steps is None else sum(n * tokens ** 2 / 2.0 for tokens, n in counted_steps)
     if finished_length:  # the part-way prompt finished here: the rest are the window's own prompts
         counted, positions, prompts = counted - finished_length, positions - finished_length, prompts - 1
         own_squares = None if own_squares is None else own_squares - finished_length ** 2 / 2.0
@@ -272,27 +300,18 @@ def _prefill_mean_context_tokens(previous: Snapshot, current: Snapshot, prompt: 
     return attended / computed
 
 
-def _part_way_attended(previous: Snapshot, current: Snapshot, in_progress: float | None, counted: float
-                       ) -> tuple[float, float]:
+def _part_way_attended(prompt: _PromptTokens, counted: float) -> tuple[float, float]:
     """(What the tokens computed in the window of the prompts part-way at either end attended to, the
     uncounted length of the one part-way at the start where it finished in the window, else 0).
 
     A prompt's tokens k0+1 .. k1 attend to (k1^2 - k0^2) / 2: with one reading of k per poll, the sum
     over the windows a prompt spans is its L^2 / 2 whatever each reading's error."""
-    at_start, at_end = _part_way_at(previous), _part_way_at(current)
-    if in_progress is None or at_start is None or at_end is None:
+    if prompt.in_progress is None or prompt.start is None or prompt.end is None:
         return 0.0, 0.0
-    (length, done_before), (_, done_now) = at_start, at_end
+    length, done_before, done_now = prompt.start.uncounted, prompt.start.done, prompt.end.done
     if length > 0 and counted >= length:  # finished here; another may have begun
         return (length ** 2 - done_before ** 2) / 2.0 + done_now ** 2 / 2.0, length
     return max(0.0, done_now ** 2 - done_before ** 2) / 2.0, 0.0  # went on, or began here (from 0)
-
-
-def _counted_squares(previous: Snapshot, current: Snapshot, counted: float) -> float | None:
-    """The sum of c^2 / 2 over the window's counted prompts, c each one's computed tokens, from the
-    iteration-tokens histogram (one observation per finishing step: `_counted_prefill_steps`)."""
-    steps = _counted_prefill_steps(previous, current, counted, [])
-    return None if steps is None else sum(count * tokens ** 2 / 2.0 for tokens, count in steps)
 
 
 def _first_tokens(previous: Snapshot, current: Snapshot) -> float | None:
@@ -305,19 +324,6 @@ def _first_tokens(previous: Snapshot, current: Snapshot) -> float | None:
         return None
     accepted = _delta(previous, current, "spec_decode_accepted_tokens_total") or 0.0
     return max(0.0, generated - (now.count - before.count) - accepted)
-
-
-def _part_way_at(snapshot: Snapshot) -> tuple[float, float] | None:
-    """(Uncounted length, tokens computed so far) of the prompts part-way through their prefill at a poll.
-
-    The length is exact: vLLM admits a prompt whole when it is first scheduled (`_uncounted_prompt_tokens`).
-    The tokens computed so far are the KV cache's beyond the counted ones (`_kv_tokens_beyond_counted`)
-    less the partly filled last block of each running request, half a block on average."""
-    uncounted, beyond = _uncounted_prompt_tokens(snapshot), _kv_tokens_beyond_counted(snapshot)
-    if uncounted is None or beyond is None:
-        return None
-    partly_filled = (snapshot.requests_running or 0.0) * (snapshot.block_size_tokens or 0) / 2.0
-    return uncounted, min(max(0.0, beyond - partly_filled), uncounted)
 
 
 def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
@@ -466,9 +472,9 @@ def _server_read_bytes_per_step(previous: Snapshot, current: Snapshot, steps: fl
 
 
 def _prefill_mix(previous: Snapshot, current: Snapshot, counted: float | None, prefill_per_step: float | None,
-                 notes: list[str]) -> tuple[tuple[float, float], ...] | None:
+                 tokens: list[tuple[float, float]] | None) -> tuple[tuple[float, float], ...] | None:
     """The window's steps as (prefill tokens, share), from vllm:iteration_tokens_total's buckets
-    (`_counted_prefill_steps`).
+    (`tokens`: `_counted_prefill_steps`).
 
     The histogram observes a prompt in the step that finishes it, as the counters count it: where a
     prompt was part-way at an end of the window, the buckets hold the prompt tokens the server counted,
@@ -482,7 +488,6 @@ def _prefill_mix(previous: Snapshot, current: Snapshot, counted: float | None, p
     counted_per_step = counted / steps
     if counted_per_step <= 0 < prefill_per_step:
         return None
-    tokens = _counted_prefill_steps(previous, current, counted, notes)
     if tokens is None:
         return None
     count = sum(n for _, n in tokens)
@@ -615,8 +620,10 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
     prompt = _PromptTokens.of(previous, current)
     steps, whole_steps = _steps(previous, current, prompt, notes)
     prefill = _prefill_per_step(prompt, steps, notes)
-    mix = (_prefill_mix(previous, current, prompt.counted, prefill, notes)
-           if whole_steps and prefill is not None else None)
+    # The histogram's steps, read once for the mix and for what the counted prompts attend to.
+    counted_steps = (_counted_prefill_steps(previous, current, prompt.counted, notes if whole_steps else [])
+                     if prefill is not None else None)
+    mix = _prefill_mix(previous, current, prompt.counted, prefill, counted_steps) if whole_steps else None
     server_bytes = _server_read_bytes_per_step(previous, current, steps, notes)
     per_step = tokens_per_step(current, _delta(previous, current, "spec_decode_accepted_tokens_total"), tokens)
     if per_step is not None and current.kind == "sglang":
@@ -642,5 +649,6 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         measured_step_median_upper_seconds=median.upper if median and math.isfinite(median.upper) else None,
         tokens_per_step=per_step,
         draft_tokens_per_step=_draft_tokens_per_step(previous, current, steps),
-        prefill_mean_context_tokens=_prefill_mean_context_tokens(previous, current, prompt) if prefill else None,
+        prefill_mean_context_tokens=(_prefill_mean_context_tokens(previous, current, prompt, counted_steps)
+                                     if prefill else None),
     )
