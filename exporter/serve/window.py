@@ -153,7 +153,10 @@ class _PartWay:
     """What a poll says of the prompts part-way through their prefill, read once per snapshot a window
     holds: their whole uncounted length (`_uncounted_prompt_tokens`, exact) and the KV cache's tokens
     beyond the counted ones (`_kv_tokens_beyond_counted`: their computed chunks, plus each running
-    request's partly filled last block, of which `partly_filled` is half a block each on average)."""
+    request's partly filled last block, of which `partly_filled` is half a block each on average). With
+    vLLM's defaults one prompt at most is part-way at a time: a chunk is cut by the step's budget, which
+    it then leaves empty for any other, and a running request's next chunk is scheduled before a waiting
+    one (0.32.0 vllm/v1/core/sched/scheduler.py l. 659 and 708-712; long_prefill_token_threshold 0)."""
 
     uncounted: float
     beyond: float
