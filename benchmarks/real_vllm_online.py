@@ -4,9 +4,9 @@ The real `stepbudget serve` process, seeded only with the host's peaks (the docs
 one-liners, run before the server starts: exporter/real_vllm/host.py; efficiencies as shipped, 0.6 and
 0.5; runs from before the peaks were measured described every host by the first host's 27 GB/s and
 9.14e10 FLOP/s), polls a real server every 3 s while stepbudget's own load generator runs a load that
-changes: 1, 4 and 16 chat streams, 16 chats with two 2,500-token sessions (120 s), then 16 chats with
-two 5,000-token sessions (evaluated), then the 16 chats alone again (a drift control, after the
-evaluation). The daemon's holdout (60 s) is as long as the evaluated phase, so that phase is predicted
+changes: 1, 4 and 16 chat streams, 16 chats with two 2,500-token sessions (6 min), then 16 chats with
+two 5,000-token sessions (evaluated, 3 min), then the 16 chats alone again (a drift control, after the
+evaluation). The daemon's holdout (3 min) is as long as the evaluated phase, so that phase is predicted
 by a fit that never absorbed it. Per poll the daemon's own exported prediction error is read
 off its /metrics: over the window, against the mean of the predictions at its two ends
 (exporter/serve/reading.py).
@@ -16,8 +16,9 @@ off its /metrics: over the window, against the mean of the predictions at its tw
 Writes benchmarks/results/real_vllm_online.json (the host's peaks and every poll, with its window's prefill
 mix and the daemon's terms) and prints the table
 for real_vllm_online.md, then the daemon's own fit rerun offline over the run's windows and a richer
-model of five terms at the best of a grid, and how far the host's own speed moved over the run (one fit
-of every window, by phase; the 16-stream load at the start against the same load at the end)
+model of five terms at the best of a grid, the daemon's fit with the prefill's attention at 1/k of the
+compute rate, and how far the host's own speed moved over the run (one fit of every window, by phase
+and half-phase; the 16-stream load at the start against the same load at the end)
 (`--refit [FILE]` does only those, from the committed JSON or another run's).
 """
 
@@ -49,6 +50,7 @@ from exporter.serve.config import Deployment, config_from_mapping  # after sys.p
 from exporter.serve.online_calibration import (  # after sys.path
     Bounds,
     FitWindow,
+    Parameters,
     fit_windows,
     fitted_step_seconds,
     window_setup,
@@ -60,11 +62,17 @@ RESULTS = REPO / "benchmarks" / "results"
 POLL_SECONDS = 3.0
 MODEL_CONFIG = DEFAULT_MODEL_DIR / "config.json"
 BLOCK_SIZE_TOKENS = 128  # vLLM's CPU backend
-HOLDOUT_SECONDS = 60.0
+# The evaluated phase lasts one holdout. Three minutes (one until stop 30): this host's own memory rate
+# moves 5-12% between half-minutes with nothing running (host_drift.md), so a one-minute phase is
+# scored against whichever minute the host gave it; over three its moves average out as over the fit's.
+HOLDOUT_SECONDS = 180.0
 CHATS = Phase("s16", 16, 128, 400, spread_ratio=0.5)
-# The long sessions are agents: a long context, then hundreds of tokens out (one request a session
-# per phase, about 50 s at ~0.1 s a step), so most windows of a phase decode and a few prefill.
-LONG_OUTPUT_TOKENS = 500
+# The long sessions are agents: a long context, then a long answer (1,500 tokens, about 4 min at
+# ~0.15 s a step: one request a session per phase), so most windows of a phase decode and a few
+# prefill, as on a GPU, where a 5,000-token prompt takes a fraction of one 3 s window. Until stop 30
+# they wrote 500 tokens in one-minute phases, and on this CPU, where a 5,000-token prompt's chunks
+# step 20-36 s, up to half the evaluated phase's windows held them.
+LONG_OUTPUT_TOKENS = 1500
 CHATS_16 = "16 streams"
 LONG_2500 = "16 + 2 x 2,500"
 EVALUATED = "16 + 2 x 5,000 (evaluated)"
@@ -80,9 +88,9 @@ PHASES: list[tuple[str, list[Phase], float]] = [
     (EVALUATED, [CHATS, Phase("longer", 2, 5000, LONG_OUTPUT_TOKENS)], HOLDOUT_SECONDS),
     # After the evaluation, the 16-stream load again: its windows, against the first 16-stream phase's,
     # say how far the host's own speed moved over the run (`drift`). The long sessions in flight run to
-    # their end first (about 25 s on the second host, most of the 48 s on the third): only the windows
-    # without them count.
-    (CONTROL, [CHATS], 48.0),
+    # their end first (with 500 tokens out, about 25 s on the second host, most of 48 s on the third;
+    # with 1,500, a minute or two): only the windows without them count.
+    (CONTROL, [CHATS], 150.0),
 ]
 
 
@@ -299,16 +307,21 @@ def refits(host: dict[str, str], polls: list[dict[str, object]]) -> str:
         if fit.parameters is None:
             lines.append(f"| {label} | {len(train)} | no fit: {fit.reason} | | | | |")
             continue
-        # Each window scored as the daemon scores it: against the mean of its two ends' predictions.
-        ends = fitted_step_seconds(fit_seed, split.evaluated, fit.parameters)
-        at_starts = fitted_step_seconds(fit_seed, split.starts, fit.parameters)
-        error = statistics.median(abs((end + at_start) / 2 / w.measured_step_seconds - 1)
-                                  for end, at_start, w in zip(ends, at_starts, split.evaluated, strict=True))
+        error = _evaluated_error(fit_seed, split, fit.parameters)
         lines.append(f"| {label} | {fit.windows_used} | {fit.parameters.bandwidth_bytes_per_second / 1e9:.2f} GB/s | "
                      f"{fit.parameters.step_overhead_seconds * 1e3:.2f} ms | "
                      f"{fit.parameters.per_request_seconds * 1e6:.0f} us | "
                      f"{fit.parameters.compute_flops_per_second / 1e9:.0f} GFLOP/s | {error:.1%} |")
     return "\n".join(lines)
+
+
+def _evaluated_error(seed: model.ServingSetup, split: _Split, parameters: Parameters) -> float:
+    """The median |error| of `parameters` over the evaluated phase, each window scored as the daemon
+    scores it: against the mean of its two ends' predictions."""
+    ends = fitted_step_seconds(seed, split.evaluated, parameters)
+    at_starts = fitted_step_seconds(seed, split.starts, parameters)
+    return statistics.median(abs((end + at_start) / 2 / w.measured_step_seconds - 1)
+                             for end, at_start, w in zip(ends, at_starts, split.evaluated, strict=True))
 
 
 @dataclass(frozen=True)
@@ -375,6 +388,32 @@ def five_term_refit(host: dict[str, str], polls: list[dict[str, object]]) -> str
             f"median |error| {train_error(best):.1%} on those windows, {last_error:.1%} over the evaluated phase.")
 
 
+def attention_rate_replay(host: dict[str, str], polls: list[dict[str, object]]) -> str:
+    """Whether the windows before the evaluated phase could tell the prefill's attention rate from its
+    GEMMs': on this CPU vLLM's attention kernel runs at about a third of its GEMMs' rate per FLOP, where the
+    daemon predicts both at one compute rate. Each window's attention FLOPs taken k times (its prefill's
+    mean context times k: attention at 1/k of the compute rate), the daemon's fit on the windows before,
+    and what it leaves on their chunk windows and over the evaluated phase."""
+    seed, bounds = _seed_and_bounds(host)
+    lines = ["| attention at | residual of the fit | its chunk windows (prefill > 100 tokens a step) "
+             "| compute | median \\|error\\| over the evaluated phase |", "|---|---:|---|---:|---:|"]
+    for times in (1, 2, 3, 4):
+        split = _Split.of([{**poll, "prefill_mean_context_tokens": context * times}
+                           if isinstance(context := poll.get("prefill_mean_context_tokens"), float | int) else poll
+                           for poll in polls])
+        fit = fit_windows(seed, split.before, bounds, min_windows=12)
+        if fit.parameters is None or fit.residual_ratio is None:
+            lines.append(f"| compute / {times} | no fit: {fit.reason} | | | |")
+            continue
+        trained = fitted_step_seconds(seed, split.before, fit.parameters)
+        chunks = ", ".join(f"{step / w.measured_step_seconds - 1:+.0%}" for step, w in
+                           zip(trained, split.before, strict=True) if w.prefill_tokens_per_step > 100)
+        error = _evaluated_error(seed, split, fit.parameters)
+        lines.append(f"| compute / {times} | {fit.residual_ratio:.1%} | {chunks} "
+                     f"| {fit.parameters.compute_flops_per_second / 1e9:.0f} GFLOP/s | {error:.1%} |")
+    return "\n".join(lines)
+
+
 def drift(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     """How far the host's own speed moved over the run: one fit of every window, and each phase's median
     of measured / fitted - 1 against it. The same load at two moments (the 16-stream load at the start
@@ -382,11 +421,10 @@ def drift(host: dict[str, str], polls: list[dict[str, object]]) -> str:
     by the host alone: the model's own error for a load is the same at both."""
     seed, bounds = _seed_and_bounds(host)
     # The phase two holdouts long in halves: the evaluation starts from a fit that has absorbed its first.
-    long_windows = _windows(polls, {LONG_2500})
-    middle = len(long_windows) // 2
+    # And the evaluated phase in halves: its decode windows hold one load from its first minute to its last.
     rows = [*((label, _windows(polls, {label})) for label, _, _ in PHASES[:3]),
-            (f"{LONG_2500}, first half", long_windows[:middle]), (f"{LONG_2500}, second half", long_windows[middle:]),
-            (EVALUATED, _windows(polls, {EVALUATED})), (CONTROL, _control_windows(polls))]
+            *_halves(LONG_2500, _windows(polls, {LONG_2500})), *_halves(EVALUATED, _windows(polls, {EVALUATED})),
+            (CONTROL, _control_windows(polls))]
     fit = fit_windows(seed, [w for _, windows in rows for w in windows], bounds, min_windows=12)
     if fit.parameters is None:
         return f"No fit of every window: {fit.reason}"
@@ -403,6 +441,11 @@ def drift(host: dict[str, str], polls: list[dict[str, object]]) -> str:
         moved = (1 + residuals[CONTROL]) / (1 + residuals[CHATS_16]) - 1
         lines.append(f"\nThe 16-stream load's step, at the end against the start, by one fit of the run: {moved:+.1%}.")
     return "\n".join(lines)
+
+
+def _halves(label: str, windows: list[FitWindow]) -> list[tuple[str, list[FitWindow]]]:
+    middle = len(windows) // 2
+    return [(f"{label}, first half", windows[:middle]), (f"{label}, second half", windows[middle:])]
 
 
 def _up_to(peak: float, rates: tuple[float, ...]) -> list[float]:
@@ -426,6 +469,8 @@ def main() -> int:
     print(refits(host, polls))
     print()
     print(five_term_refit(host, polls))
+    print()
+    print(attention_rate_replay(host, polls))
     print()
     print(drift(host, polls))
     return 0
