@@ -287,6 +287,26 @@ def test_tokens_that_follow_running_requests_hold_the_bandwidth_and_a_steady_cou
     assert fit.parameters.bandwidth_bytes_per_second == pytest.approx(TRUTH.bandwidth_bytes_per_second, rel=0.02)
 
 
+def test_a_bandwidth_fitted_at_the_peak_is_held_at_the_seed() -> None:
+    # Steps that grow with the KV as a memory three times the H100's would: a slope no server has, as
+    # the real vLLM's 4 chats fitted in make demo-vllm (the host's peak, 42 GB/s, against a calibrated
+    # 7.81). The fit would pin the bandwidth at the peak and call it measured; it keeps the seed's and
+    # says why, and the other terms are fitted around it.
+    flat = Parameters(3 * H100_BANDWIDTH, 10e-3, 40e-6, SEED.effective_compute_flops_per_second)
+    windows = [_window(t, 20_000 + 2_000 * (t % 40), 8 + (t * 7) % 40, flat) for t in range(100)]
+    fit = fit_windows(SEED, windows, BOUNDS)
+    assert fit.parameters is not None
+    held = {h.parameter: h for h in fit.held}
+    assert held["bandwidth_bytes_per_second"].reason == "bandwidth_at_peak"
+    assert f"{H100_BANDWIDTH / 1e9:.3g} GB/s" in held["bandwidth_bytes_per_second"].detail
+    assert fit.parameters.bandwidth_bytes_per_second == SEED.effective_bandwidth_bytes_per_second
+    assert "per_request_seconds" not in held and "step_overhead_seconds" not in held
+    # The windows the fit does identify (0.8 x the peak) keep their fitted bandwidth: the rule is the bound's.
+    fit = fit_windows(SEED, [_window(t, 20_000 + 2_000 * (t % 40), 8 + (t * 7) % 40) for t in range(100)], BOUNDS)
+    assert fit.parameters is not None and "bandwidth_bytes_per_second" not in {h.parameter for h in fit.held}
+    assert fit.parameters.bandwidth_bytes_per_second == pytest.approx(TRUTH.bandwidth_bytes_per_second, rel=0.02)
+
+
 def test_a_prefill_mix_is_kept_in_four_parts_with_its_prefill_tokens() -> None:
     assert fit_mix(None) is None and fit_mix([(100.0, 0.0)]) is None
     assert fit_mix([(0.0, 0.5), (0.0, 0.3), (2000.0, 0.2)]) == ((0.0, 0.8), (2000.0, 0.2))  # equal tokens: one part

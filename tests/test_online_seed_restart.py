@@ -164,8 +164,12 @@ def test_the_seeded_fit_predicts_decode_steps_within_5_percent(restarted: Any) -
     before = fit_windows(deployment.resolved.setup, bare, Bounds.of_setup(deployment.resolved))
     assert before.parameters is not None
     errors = _errors(before.parameters, deployment.resolved.setup)
-    assert errors[0] > 0.10, errors  # decode-only steps predicted >10% slow
-    assert before.parameters.bandwidth_bytes_per_second > 0.9 * 3.35e12  # the bandwidth driven to the peak
+    assert abs(errors[0]) > 0.10, errors  # decode-only steps predicted >10% off
+    # These windows drove the bandwidth to the peak (before the rule, exported as fitted, and decode-only
+    # steps predicted >10% slow); now it is held at the seed, named, and the windows still mislead the rest.
+    assert [h.reason for h in before.held if h.parameter == "bandwidth_bytes_per_second"] == ["bandwidth_at_peak"]
+    seed_bandwidth = deployment.resolved.setup.effective_bandwidth_bytes_per_second
+    assert before.parameters.bandwidth_bytes_per_second == seed_bandwidth
 
 
 @pytest.mark.e2e
