@@ -170,25 +170,40 @@ PARAMETER_SERIES = ("step_overhead_seconds", "per_request_seconds", "effective_c
                     "online_fit_windows", "online_fit_residual_ratio")
 
 
+# The exported parameters' names as the view says them (stepbudget_online_fit_held_info's `parameter`).
+PARAMETER_WORDS = {"effective_bandwidth_bytes_per_second": "bandwidth", "step_overhead_seconds": "overhead",
+                   "per_request_seconds": "per request", "effective_compute_flops_per_second": "compute"}
+
+
 @dataclass
 class ParametersView:
-    """One deployment's step parameters in use, and where they came from."""
+    """One deployment's step parameters in use, where they came from, and the terms the online fit held
+    at the seed (exported parameter name -> reason)."""
 
     source: str = ""
     values: dict[str, float] = field(default_factory=dict)
+    held: dict[str, str] = field(default_factory=dict)
 
 
 def parameter_views(samples: Iterable[Sample]) -> dict[str, ParametersView]:
-    """Each deployment's parameters in use (bandwidth, overhead, per-request cost, compute) and their source."""
+    """Each deployment's parameters in use (bandwidth, overhead, per-request cost, compute), their source
+    (online where the fit set any of them) and the terms it held."""
     found: dict[str, ParametersView] = {}
     for sample in samples:
         name = sample.name.removeprefix("stepbudget_")
         deployment = sample.labels.get("deployment")
-        if deployment is None or name not in (*PARAMETER_SERIES, "effective_bandwidth_bytes_per_second"):
+        if deployment is None:
+            continue
+        if name == "online_fit_held_info":
+            found.setdefault(deployment, ParametersView()).held[sample.labels.get("parameter", "")] = \
+                sample.labels.get("reason", "")
+            continue
+        if name not in (*PARAMETER_SERIES, "effective_bandwidth_bytes_per_second"):
             continue
         view = found.setdefault(deployment, ParametersView())
         view.values[name] = sample.value
-        view.source = sample.labels.get("source", view.source)
+        if view.source != "online":  # a held term carries its seed's source, the fitted ones "online"
+            view.source = sample.labels.get("source", view.source)
     return found
 
 
@@ -211,7 +226,9 @@ def parameters_line(view: ParametersView | None) -> str:
             f"{si_rate(values.get('effective_bandwidth_bytes_per_second', 0), 'B/s')}, overhead "
             f"{values.get('step_overhead_seconds', 0) * 1e3:.2f} ms, per request "
             f"{values.get('per_request_seconds', 0) * 1e6:.0f} us, compute "
-            f"{si_rate(values.get('effective_compute_flops_per_second', 0), 'FLOP/s')}")
+            f"{si_rate(values.get('effective_compute_flops_per_second', 0), 'FLOP/s')}"
+            + "".join(f"\n                    {PARAMETER_WORDS.get(parameter, parameter)} held at the seed: {reason}"
+                      for parameter, reason in view.held.items()))
 
 
 # Run as `python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: on Linux, ask the kernel for SIGTERM

@@ -11,11 +11,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.demo import free_port_from, si_rate
+from exporter.demo import free_port_from, parameter_views, parameters_line, si_rate
+from exporter.serve.collector import make_registry
+from exporter.serve.config import config_from_mapping
+from exporter.serve.online_calibration import Held, InUse
 from exporter.simulator import AGENTS_JOIN_SECONDS
 from tests.support.servers import free_port
 
@@ -163,3 +169,22 @@ def test_rates_are_shown_at_the_scale_of_the_device() -> None:
     assert si_rate(12.3e9, "B/s") == "12.30 GB/s"
     assert si_rate(9.14e10, "FLOP/s") == "91.40 GFLOP/s"
     assert si_rate(0.0, "B/s") == "0 B/s"
+
+
+def test_the_view_names_a_term_the_online_fit_held_at_its_seed() -> None:
+    """The daemon's own page (its collector), read as the view reads it: the bandwidth held at the
+    calibrated seed, the overhead fitted. Before, the view printed the last sample's source alone, so a
+    held bandwidth read `source online` or `source calibrated` by the order of the families."""
+    deployment = config_from_mapping({"deployments": [{
+        "name": "pool", "model": "qwen3-8b", "gpu": "h100-sxm", "targets": {"static": ["http://127.0.0.1:9"]}}]}
+    ).deployments[0]
+    setup = replace(deployment.resolved.setup, step_overhead_seconds=9.5e-3)
+    deployment.setup_in_use.set(InUse(setup, "online", 14, 0.048, (Held(
+        "bandwidth_bytes_per_second", "bandwidth_at_peak", "the windows' best fit read 3.35e+03 GB/s"),),
+        "calibrated"))
+    page = generate_latest(make_registry(lambda: [], [deployment])).decode()
+    samples = [sample for family in text_string_to_metric_families(page) for sample in family.samples]
+    line = parameters_line(parameter_views(samples)["pool"])
+    assert line.startswith("  parameters        source online, fitted from 14 windows (median residual 4.8%): ")
+    assert "overhead 9.50 ms" in line
+    assert line.endswith("\n                    bandwidth held at the seed: bandwidth_at_peak")
