@@ -71,6 +71,27 @@ def test_disagreeing_points_print_everything_then_exit_2(capsys: pytest.CaptureF
     assert "does not fit this server" in err and "prefix caching" in err
 
 
+def test_a_long_point_no_slower_than_a_short_one_is_refused_with_its_document(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A server whose speed moved between the points: the 100,000-token stream stepped no slower than
+    # the 1,000-token one. A fit with an overhead gives the overhead the whole gap and a bandwidth of
+    # zero or less; the points are still what was measured, so they are printed and refused, not lost.
+    short_gap, long_gap = 0.0100, 0.0099
+    argv = ["calibrate", "--itl", f"{short_gap!r}@1000", "--itl", f"{long_gap!r}@100000", "--json"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    short_bytes, long_bytes = qwen3_read_bytes(1000), qwen3_read_bytes(100_000)
+    # The bandwidth alone, least squares through the origin: 1/bandwidth = sum(bytes * gap) / sum(bytes^2).
+    inverse_bandwidth = (short_bytes * short_gap + long_bytes * long_gap) / (short_bytes ** 2 + long_bytes ** 2)
+    assert out["effective_bandwidth_bytes_per_second"] == pytest.approx(1 / inverse_bandwidth)
+    assert out["step_overhead_seconds"] == 0 and out["overhead_fitted"] is False
+    assert out["agrees"] is False
+    assert out["spread_ratio"] == pytest.approx((long_bytes / long_gap) / (short_bytes / short_gap) - 1)
+    assert any("did not grow with the bytes read" in note for note in out["notes"]), out["notes"]
+    assert "does not fit this server" in captured.err
+
+
 def test_bad_itl_points_name_the_expected_form(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["calibrate", "--itl", "0.01"]) == 2
     assert "SECONDS@TOKENS[xREQUESTS]" in capsys.readouterr().err

@@ -61,6 +61,8 @@ def _cli(*args: str, exit_codes: tuple[int, ...] = (0,)) -> tuple[dict[str, obje
     done = subprocess.run([sys.executable, "-m", "exporter.cli", *args, "--json"], capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode in exit_codes, done.stderr
+    # A verb that exits before its document (a CI run: calibrate's exit 2 with nothing on stdout) says why.
+    assert done.stdout.strip(), f"{args[0]} exited {done.returncode} with no document: {done.stderr}"
     document: dict[str, object] = json.loads(done.stdout)
     return document, done.returncode
 
