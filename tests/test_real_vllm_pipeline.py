@@ -25,7 +25,6 @@ from exporter.real_vllm.server import VllmServer
 from exporter.serve.alerting import AlertLoop
 from exporter.serve.config import Alerting, Deployment, config_from_mapping
 from exporter.serve.reading import page_setup
-from exporter.serve.window import uncounted_prompt_tokens
 from tests.support.client_truth import (
     blocks,
     check_an_exact_poll_in_each,
@@ -351,10 +350,13 @@ def _cross_chunk_pairs(prompt_tokens: int) -> float:
 
 
 def _page_has_a_prompt_part_way(poll: PollRecord) -> bool:
-    """The page's own word, as the window reads it: prompt tokens admitted and not yet counted as computed."""
-    uncounted = uncounted_prompt_tokens(poll.snapshot)
-    assert uncounted is not None
-    return uncounted > 0
+    """The page's own word, from its raw counters and not through the reader whose output the slack bounds:
+    prompt tokens admitted (less their cache hits) and not yet counted as computed."""
+    snapshot = poll.snapshot
+    admitted, hits = snapshot.prompt_tokens_admitted_total, snapshot.prompt_tokens_admitted_cached_total
+    computed = snapshot.prompt_tokens_computed_total
+    assert admitted is not None and hits is not None and computed is not None
+    return admitted - hits - computed > 0
 
 
 def test_the_error_of_a_draining_window_is_for_the_load_it_held_not_its_end(run: Run) -> None:

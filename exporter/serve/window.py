@@ -151,7 +151,7 @@ def _delta(previous: Snapshot, current: Snapshot, name: str) -> float | None:
 @dataclass(frozen=True)
 class _PartWay:
     """What a poll says of the prompts part-way through their prefill, read once per snapshot a window
-    holds: their whole uncounted length (`uncounted_prompt_tokens`, exact) and the KV cache's tokens
+    holds: their whole uncounted length (`_uncounted_prompt_tokens`, exact) and the KV cache's tokens
     beyond the counted ones (`_kv_tokens_beyond_counted`: their computed chunks, plus each running
     request's partly filled last block, of which `partly_filled` is half a block each on average). With
     vLLM's defaults one prompt at most is part-way at a time: a chunk is cut by the step's budget, which
@@ -164,7 +164,7 @@ class _PartWay:
 
     @classmethod
     def at(cls, snapshot: Snapshot) -> _PartWay | None:
-        uncounted, beyond = uncounted_prompt_tokens(snapshot), _kv_tokens_beyond_counted(snapshot)
+        uncounted, beyond = _uncounted_prompt_tokens(snapshot), _kv_tokens_beyond_counted(snapshot)
         if uncounted is None or beyond is None:
             return None
         return cls(uncounted, beyond, (snapshot.requests_running or 0.0) * (snapshot.block_size_tokens or 0) / 2.0)
@@ -222,7 +222,7 @@ def _in_progress_change(start: _PartWay | None, end: _PartWay | None) -> float |
     budget (2,048 by default) is computed over several steps, and on a slow engine over several
     windows: counted, the window of its last chunk would hold all of it and the windows before none,
     while their steps took seconds. Two facts on the page place the chunks:
-      * the prompt tokens admitted and not yet counted, `uncounted_prompt_tokens`: what may be
+      * the prompt tokens admitted and not yet counted, `_uncounted_prompt_tokens`: what may be
         part-way (0 at both ends: the counters are exact, no correction);
       * the KV cache: a chunk's blocks are allocated as it is scheduled (kv_cache_manager.py
         `allocate_slots`), so the tokens the cache holds beyond those of the requests past their
@@ -329,7 +329,7 @@ def _first_tokens(previous: Snapshot, current: Snapshot) -> float | None:
     return max(0.0, generated - (now.count - before.count) - accepted)
 
 
-def uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
+def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
     """Prompt tokens admitted to compute and not yet counted as computed: the prompts part-way through
     their prefill (a request preempted and readmitted is not admitted again: 0.32.0
     vllm/v1/metrics/stats.py l. 146-151; while prefix caching is off nothing is admitted and this is 0)."""
