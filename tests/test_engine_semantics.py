@@ -71,17 +71,21 @@ def test_a_page_without_capacity_is_marked_estimated_and_logged_once(
     assert reading.tokens_in_flight == pytest.approx(0.5 * capacity)
     marks = {(labels["quantity"], labels["reason"])
              for labels, _ in scrape(config, poller)["stepbudget_estimated_info"]}
-    assert marks == {("kv_cache_capacity_tokens", "model_capacity"), ("tokens_in_flight", "model_capacity")}
+    # The page has no request counters either: the context read is the memory held (docs/engines.md).
+    assert marks == {("kv_cache_capacity_tokens", "model_capacity"), ("kv_cache_used_tokens", "model_capacity"),
+                     ("tokens_in_flight", "kv_memory_held"), ("tokens_in_flight", "model_capacity")}
     # The page lacks the same thing at every poll: one line saying so, not one a poll.
     [said] = [line for line in logs if line["event"] == "reading_partial"]
-    assert said["estimated"] == ["kv_cache_capacity_tokens: model_capacity", "tokens_in_flight: model_capacity"]
+    assert said["estimated"] == ["kv_cache_capacity_tokens: model_capacity", "kv_cache_used_tokens: model_capacity",
+                                 "tokens_in_flight: kv_memory_held", "tokens_in_flight: model_capacity"]
     page_server.serve_text(page)
     with capture_logs() as logs:
         poller.poll_once()
     (reading,) = poller.readings()
-    assert reading.estimated == () and reading.kv_cache_capacity_tokens == 4096 * 16
+    assert reading.estimated == (("tokens_in_flight", "kv_memory_held"),)
+    assert reading.kv_cache_capacity_tokens == 4096 * 16
     [cleared] = [line for line in logs if line["event"] == "reading_partial"]  # the change is said too
-    assert cleared["estimated"] == []
+    assert cleared["estimated"] == ["tokens_in_flight: kv_memory_held"]
 
 
 def test_a_lasting_page_problem_is_logged_once_per_change(page_server: PageServer, clock: ManualClock,
@@ -112,10 +116,13 @@ def test_hybrid_kv_usage_counts_blocks_of_every_group_not_tokens(
     (reading,) = poller.readings()
     # 500 blocks = 6 x 65 (sliding groups, full windows) + 1 x C / 16 (the full group) -> C = 110 x 16.
     context = (500 - 6 * 65) * 16
-    assert reading.tokens_in_flight == pytest.approx(10 * context)
+    assert reading.kv_cache_used_tokens == pytest.approx(10 * context)
     assert reading.kv_cache_capacity_tokens == pytest.approx(10 * context / 0.5)
-    assert dict(reading.estimated) == {"tokens_in_flight": "hybrid_kv_blocks",
-                                       "kv_cache_capacity_tokens": "hybrid_kv_blocks"}
+    # A page without request counters: the context read is taken as the context held.
+    assert reading.tokens_in_flight == pytest.approx(10 * context)
+    assert set(reading.estimated) == {("kv_cache_used_tokens", "hybrid_kv_blocks"),
+                                      ("kv_cache_capacity_tokens", "hybrid_kv_blocks"),
+                                      ("tokens_in_flight", "kv_memory_held"), ("tokens_in_flight", "hybrid_kv_blocks")}
     # Not usage x blocks x block size, which counts every group's blocks as context tokens.
     assert reading.tokens_in_flight < 0.5 * 10000 * 16 / 4
 
@@ -191,5 +198,9 @@ def test_fp8_on_a_genuine_page_wins_over_the_config(page_server: PageServer, clo
     tokens = fed["kv_cache_usage_ratio"] * (23574 - 1) * 16 - fed["requests_running"] * (16 - 1) / 2
     fp8_kv_per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * 1
     assert reading.kv_cache_dtype == "fp8"
-    assert reading.tokens_in_flight == pytest.approx(tokens)
-    assert reading.step_read_bytes == pytest.approx(arch.params * 2 + fp8_kv_per_token * tokens)
+    assert reading.kv_cache_used_tokens == pytest.approx(tokens)
+    # What each step reads: the requests' contexts as the page's request counters hold them (vllm:prompt_tokens
+    # 140,822 + generation_tokens 2,400 - request_prompt_tokens_sum 12,193 - request_generation_tokens_sum 120).
+    context = 140822 + 2400 - 12193 - 120
+    assert reading.tokens_in_flight == pytest.approx(context)
+    assert reading.step_read_bytes == pytest.approx(arch.params * 2 + fp8_kv_per_token * context)

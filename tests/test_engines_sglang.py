@@ -44,7 +44,8 @@ def test_v0_5_1_capture() -> None:
     (snap,) = reading.snapshots
     assert (snap.model_name, snap.engine) == ("Qwen-32B", "0")  # no dp_rank label
     assert snap.requests_running == 1.0  # sglang:num_running_reqs{...} 1.0
-    assert snap.tokens_in_flight == 1.0  # sglang:num_used_tokens{...} 1.0
+    assert snap.kv_cache_used_tokens == 1.0  # sglang:num_used_tokens{...} 1.0
+    assert snap.tokens_in_flight is None  # no sglang:decode_sum_seq_lens on a 0.5.1 page: the reading estimates
     assert snap.kv_cache_usage_ratio == 0.0  # sglang:token_usage{...} 0.0
     assert snap.kv_cache_capacity_tokens is None
     assert any(m.startswith("engine_steps_total: SGLang counts prefill and decode passes apart") for m in snap.missing)
@@ -73,7 +74,7 @@ def test_dp_ranks_are_engines_and_server_wide_families_apply_to_each() -> None:
     assert (zero.requests_running, one.requests_running) == (12.0, 9.0)
     assert (zero.requests_waiting, one.requests_waiting) == (3.0, 0.0)
     assert (zero.kv_cache_usage_ratio, one.kv_cache_usage_ratio) == (0.5, 0.25)
-    assert (zero.tokens_in_flight, one.tokens_in_flight) == (40000.0, 20000.0)
+    assert (zero.kv_cache_used_tokens, one.kv_cache_used_tokens) == (40000.0, 20000.0)
     assert zero.kv_cache_capacity_tokens == one.kv_cache_capacity_tokens == 80000.0
     assert zero.block_size_tokens == 64 and isinstance(zero.block_size_tokens, int)
     # Rank 1 has no num_retracted_requests_total series: SGLang creates it at the first retraction

@@ -40,7 +40,7 @@ def test_constructed_page_every_field() -> None:
     assert all(count == (0.0 if le < 0.02 else 200.0) for le, count in itl.buckets)
     assert (snap.preemptions_total, snap.block_size_tokens) == (None, None)
     assert {m.split(":")[0] for m in snap.missing} == {"preemptions_total", "block_size_tokens", "tokens_in_flight",
-                                                       "kv_cache_usage_ratio"}
+                                                       "kv_cache_usage_ratio", "kv_cache_used_tokens"}
 
 
 def test_counter_with_total_suffix_and_no_capacity() -> None:

@@ -46,7 +46,7 @@ def test_current_single_process_page_every_field() -> None:
     assert [count for _, count in itl.buckets] == [0.0] + [636.0] * 19
     assert (itl.count, itl.sum) == (636.0, 7.631999999999872)
     assert snap.tokens_in_flight is None
-    assert [m.split(":")[0] for m in snap.missing] == ["tokens_in_flight"]
+    assert [m.split(":")[0] for m in snap.missing] == ["tokens_in_flight", "kv_cache_used_tokens"]
 
 
 def test_multiprocess_page_reads_the_same_as_single_process() -> None:
@@ -150,7 +150,8 @@ def test_missing_metrics_are_none_and_named() -> None:
     assert snap.kv_cache_usage_ratio is None and snap.inter_token_latency is None
     named = {m.split(":")[0] for m in snap.missing}
     assert named == {
-        "tokens_in_flight", "requests_waiting", "kv_cache_usage_ratio", "inter_token_latency", "prompt_tokens_total",
+        "tokens_in_flight", "kv_cache_used_tokens", "requests_waiting", "kv_cache_usage_ratio", "inter_token_latency",
+        "prompt_tokens_total",
         "generation_tokens_total", "preemptions_total", "engine_steps_total", "kv_cache_capacity_tokens",
         "block_size_tokens",
     }

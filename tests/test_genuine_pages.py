@@ -6,7 +6,11 @@ real poller, and every figure is checked against what was fed to vLLM's or SGLan
 What each expected value is, computed here from the fed values:
 - capacity per engine: the fed `kv_cache_capacity_tokens` (vLLM 0.23.0 writes num_gpu_blocks summed
   over its data-parallel engines; the per-engine value must still come out);
-- tokens in flight: SGLang's fed used tokens; for vLLM, the fed usage ratio x capacity;
+- tokens in flight (each running request's whole context): SGLang's fed decode_sum_seq_lens; for vLLM,
+  what the engine's own request counters on the page hold for the requests past their prefill and not
+  finished (prompt + generation totals less the finished requests' sums, worked out here from the raw
+  samples); KV used (memory held): SGLang's fed used tokens, vLLM's fed usage ratio x capacity. The
+  renderer fed vLLM's usage apart from its requests, so the two differ on these pages;
 - measured step: delta(ITL sum) / delta(ITL count) of the fed observations (SGLang's histogram is
   server-wide, so it is the server-wide series' value);
 - computed prefill per step: delta(locally computed prompt tokens) / delta(engine steps), where
@@ -16,6 +20,7 @@ What each expected value is, computed here from the fed values:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +60,17 @@ def _poll_pair(name: str, page_server: PageServer, clock: ManualClock, make_poll
     return poller, readings
 
 
+def _counted_context(page: str, engine: str) -> float:
+    """prompt + generation totals less the finished requests' prompt and generation sums, for one engine,
+    from the page's raw sample lines."""
+    def sample(name: str) -> float:
+        match = re.search(rf'^vllm:{name}{{engine="{engine}",[^}}]*}} (\S+)$', page, re.MULTILINE)
+        assert match is not None, (name, engine)
+        return float(match.group(1))
+    return (sample("prompt_tokens_total") + sample("generation_tokens_total") - sample("request_prompt_tokens_sum")
+            - sample("request_generation_tokens_sum"))
+
+
 def _usage(engine: dict[str, Any]) -> float:
     return float(engine.get("kv_cache_usage_ratio_exact", engine.get("kv_cache_usage_ratio")))
 
@@ -82,7 +98,7 @@ def test_every_page_snapshot_holds_each_fed_value(name: str) -> None:
             checks: dict[str, float | None] = {
                 "requests_running": snap.requests_running, "requests_waiting": snap.requests_waiting,
                 "kv_cache_capacity_tokens": snap.kv_cache_capacity_tokens, "preemptions_total": snap.preemptions_total,
-                "block_size_tokens": snap.block_size_tokens, "tokens_in_flight": snap.tokens_in_flight,
+                "block_size_tokens": snap.block_size_tokens, "tokens_in_flight": snap.kv_cache_used_tokens,
                 "engine_steps_total": snap.engine_steps_total,
                 "prompt_tokens_cached_total": snap.prompt_tokens_cached_total,
                 "prompt_tokens_local_compute_total": snap.prompt_tokens_computed_total,
@@ -110,7 +126,7 @@ def test_every_page_snapshot_holds_each_fed_value(name: str) -> None:
                 # Each engine's own blocks, though the page writes their sum over the engines (FAMILIES.md).
                 assert _same(snap.kv_cache_blocks, values["kv_cache_capacity_tokens"] / values["block_size_tokens"])
             assert [m.split(":")[0] for m in snap.missing] == (
-                ["tokens_in_flight"] if reading.kind == "vllm" else ["engine_steps_total"])
+                ["tokens_in_flight", "kv_cache_used_tokens"] if reading.kind == "vllm" else ["engine_steps_total"])
 
 
 @pytest.mark.parametrize("name", PAIRS)
@@ -124,8 +140,12 @@ def test_every_engine_reads_what_was_fed(name: str, page_server: PageServer, clo
         reading = readings[engine]
         capacity = values["kv_cache_capacity_tokens"]
         assert reading.kv_cache_capacity_tokens == pytest.approx(capacity, rel=0.01)
-        tokens = values.get("tokens_in_flight", _usage(values) * capacity)
-        assert reading.tokens_in_flight == pytest.approx(tokens, rel=0.01)
+        held = values.get("tokens_in_flight", _usage(values) * capacity)
+        assert reading.kv_cache_used_tokens == pytest.approx(held, rel=0.01)
+        read = values.get("decode_sum_seq_lens") or values.get("tokens_in_flight")
+        if read is None:  # vLLM
+            read = _counted_context((GENUINE / t1["page"]).read_text(), engine)
+        assert reading.tokens_in_flight == pytest.approx(read, rel=0.01)
         assert reading.requests_running == values["requests_running"]
         assert reading.estimated == ()  # every figure came from the page
         if "itl_count" in values:  # vLLM: one histogram per engine

@@ -39,8 +39,11 @@ def make_config(urls: list[str], **top: object) -> Config:
 
 
 def busy_page() -> str:
+    # 4 requests past their prefill, none finished, holding what the cache holds: 0.2 of 4,095 usable blocks of
+    # 16 less half a block each, 13,074 tokens = 500 prompt + 12,574 sampled on the request counters.
     return vllm_page(VllmState(running=4, kv_usage_ratio=0.2, itl_count=100, itl_sum=2.0, engine_steps=50,
-                               prompt_tokens=500, itl_buckets={0.01: 10, 0.025: 80, 0.05: 100, 0.1: 100}))
+                               prompt_tokens=500, generation_tokens=12574, first_tokens=4,
+                               itl_buckets={0.01: 10, 0.025: 80, 0.05: 100, 0.1: 100}))
 
 
 def only_reading(readings: tuple[Reading, ...]) -> Reading:
@@ -366,7 +369,7 @@ def test_counter_going_backwards_measures_nothing_for_that_window(page_server: P
     page_server.serve_text(busy_page())
     poller.poll_once()
     restarted = VllmState(running=1, kv_usage_ratio=0.01, itl_count=10, itl_sum=0.15, engine_steps=5, prompt_tokens=40,
-                          preemptions=0, itl_buckets={0.01: 1, 0.025: 10, 0.05: 10, 0.1: 10})
+                          preemptions=0, itl_buckets={0.01: 1, 0.025: 10, 0.05: 10, 0.1: 10}, first_tokens=1)
     page_server.serve_text(vllm_page(restarted))
     clock.advance(15)
     with capture_logs() as logs:
@@ -377,7 +380,7 @@ def test_counter_going_backwards_measures_nothing_for_that_window(page_server: P
     assert reading.preemptions_total == 0  # the server's own counter value; Prometheus handles resets
     # The next window, from the restarted counters, measures again: (0.45-0.15)/(30-10).
     again = VllmState(running=1, kv_usage_ratio=0.01, itl_count=30, itl_sum=0.45, engine_steps=25, prompt_tokens=40,
-                      itl_buckets={0.01: 1, 0.025: 30, 0.05: 30, 0.1: 30})
+                      itl_buckets={0.01: 1, 0.025: 30, 0.05: 30, 0.1: 30}, first_tokens=1)
     page_server.serve_text(vllm_page(again))
     clock.advance(15)
     assert only_reading(poller.poll_once().readings).measured_step_seconds == pytest.approx((0.45 - 0.15) / (30 - 10))

@@ -93,7 +93,7 @@ def test_capacity_from_the_model_when_the_page_lacks_it() -> None:
 
 
 def test_usage_ratio_from_direct_tokens_when_the_page_has_no_ratio() -> None:
-    reading = derive_reading(deployment(), TARGET, snapshot(requests_running=1, tokens_in_flight=5000,
+    reading = derive_reading(deployment(), TARGET, snapshot(requests_running=1, kv_cache_used_tokens=5000,
                                                             kv_cache_capacity_tokens=20000),
                              None, now_seconds=0, scrape_duration_seconds=0)
     assert reading.kv_cache_usage_ratio == pytest.approx(5000 / 20000)

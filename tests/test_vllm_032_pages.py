@@ -8,6 +8,7 @@ architecture (tiny-llama.config.json), never by calling the code under test.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def test_the_adapter_reads_the_new_families_off_the_real_pages() -> None:
     # cache_config_info kv_cache_size_tokens="32768" block_size="128", iteration_tokens_total_count 856.0.
     assert (t0.kv_cache_usage_ratio, t0.kv_cache_capacity_tokens) == (0.12549019607843137, 32768.0)
     assert (t0.block_size_tokens, t0.engine_steps_total, t0.requests_running) == (128, 856.0, 16.0)
-    assert [m.split(":")[0] for m in t0.missing] == ["tokens_in_flight"]
+    assert [m.split(":")[0] for m in t0.missing] == ["tokens_in_flight", "kv_cache_used_tokens"]
     assert read_page(T0).problems == ()
 
 
@@ -233,3 +234,42 @@ def test_the_pages_auto_cache_dtype_follows_a_float32_model() -> None:
     assert page_setup(bf16, "auto", None).kv_bytes_per_element == 2.0
     assert page_setup(setup, "fp8", None).kv_bytes_per_element == 1.0
     assert math.isclose(page_setup(tiny(weight_dtype="int4").resolved.setup, "auto", None).kv_bytes_per_element, 2.0)
+
+
+def test_a_bfloat16_config_served_in_float32_is_read_in_the_width_the_page_allocated(tmp_path: Path) -> None:
+    """The suite's model with a config.json that says bfloat16, as served with --dtype float32 (what the CPU
+    backend needs): the page's cache_config_info says 1 GiB of KV (kv_cache_memory_bytes="1073741824") holds
+    32,768 tokens, 32,768 B a token = 2 (K and V) x 8 layers x 8 KV heads x 64 head dims x 4 bytes. The KV
+    bytes and, with cache_dtype "auto", the weights follow the page; the disagreement is exported."""
+    config = json.loads((PAGES / "tiny-llama.config.json").read_text())
+    config["dtype"] = "bfloat16"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    deployment = config_from_mapping({"deployments": [{
+        "name": "tiny", "model": str(path), "gpu": "h100-sxm", "effective_bandwidth": 2e12,
+        "targets": {"static": [URL]}}]}).deployments[0]
+    configured = deployment.resolved.setup
+    assert (configured.weight_bytes_per_param, configured.kv_bytes_per_element) == (2.0, 2.0)
+    assert only(T1).kv_cache_bytes_per_token == 1073741824 / 32768 == 2 * 8 * 8 * 64 * 4
+    reading = reading_of(deployment, T0, T1)
+    assert set(reading.setup_disagreements) == {("kv_bytes_per_token", str(2 * 8 * 8 * 64 * 2), "32768"),
+                                                ("weight_dtype", "16-bit", "float32")}
+    samples = exported(deployment, reading)
+    assert samples["stepbudget_kv_bytes_per_token"][0][1] == 32768
+    # 34.1M parameters (the model's own count, scripts/make_tiny_llama.py) in float32.
+    weights = samples["stepbudget_weight_bytes"][0][1]
+    assert weights == pytest.approx(4 * configured.architecture.params)
+    info = {(labels["quantity"], labels["configured"], labels["page"])
+            for labels, _ in samples["stepbudget_setup_disagreement_info"]}
+    assert info == set(reading.setup_disagreements)
+    # Predicted with the page's widths: the same as a deployment configured in float32 outright.
+    float32 = tiny()  # weight_dtype fp32, the same config.json otherwise
+    assert reading.step_read_bytes == pytest.approx(reading_of(float32, T0, T1).step_read_bytes)
+    assert reading_of(float32, T0, T1).setup_disagreements == ()
+
+
+def test_a_page_whose_blocks_were_overridden_says_no_bytes_per_token() -> None:
+    """--num-gpu-blocks-override sizes the cache apart from kv_cache_memory_bytes: their ratio says nothing."""
+    line = next(line for line in T1.splitlines() if line.startswith("vllm:cache_config_info{"))
+    overridden = T1.replace(line, line.replace('num_gpu_blocks_override="None"', 'num_gpu_blocks_override="128"'))
+    assert only(overridden).kv_cache_bytes_per_token is None

@@ -458,6 +458,18 @@ def predict_step(
     )
 
 
+def prefill_tokens_per_second(setup: ServingSetup, prefill_tokens_per_step: float,
+                              mean_context_tokens: float | None = None) -> float:
+    """The prompt tokens a second a server that only prefills can compute, in steps of
+    `prefill_tokens_per_step` prompt tokens attending to `mean_context_tokens` each (None: their attention
+    left out): the step `predict_step` gives for such a step with no request decoding. A P/D prefill
+    server's budget: beyond it, prompts queue and the time to first token grows without bound."""
+    if prefill_tokens_per_step <= 0:
+        raise InputError(f"prefill tokens per step must be greater than zero, got {prefill_tokens_per_step!r}")
+    step = predict_step(setup, [], prefill_tokens_per_step, prefill_mean_context_tokens=mean_context_tokens)
+    return prefill_tokens_per_step / step.step_seconds
+
+
 def _gemm_phase(setup: ServingSetup, tokens_in_step: float) -> tuple[float, float, float]:
     """(weight bytes read, their memory seconds, GEMM compute seconds) of a step of `tokens_in_step` tokens:
     the one phase a step's prefill tokens change when their context is not known."""

@@ -100,6 +100,7 @@ __all__ = [
     "PROMETHEUS_KEYS",
     "REQUIRED",
     "SERVER_KINDS",
+    "SERVER_ROLES",
     "TARGETS_KEYS",
     "TLS_KEYS",
     "TOP_LEVEL_KEYS",
@@ -135,6 +136,8 @@ __all__ = [
 ]
 
 SERVER_KINDS = ("auto", "vllm", "sglang", "tgi")  # the page format: a server's `kind`
+# What a server does in a prefill/decode (P/D) split; auto reads it off the page (reading.server_role).
+SERVER_ROLES = ("auto", "prefill", "decode", "both")
 LOG_FORMATS = ("auto", "json", "console")
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20
 # One answer holds a whole deployment's series (~20 KB of JSON per vLLM engine): 10,000 engines fit.
@@ -317,6 +320,9 @@ DEPLOYMENT_KEYS: Table = {
     "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
                               "overrides defaults.online_calibration key by key"),
     "kind": Key(choice(*SERVER_KINDS), "auto", "the servers' page format: auto, vllm, sglang, tgi"),
+    "role": Key(choice(*SERVER_ROLES), "auto",
+                "what the servers do in a prefill/decode split: auto (from the page), prefill (no decode-step "
+                "page; a prefill budget), decode (prompts arrive by KV transfer), both"),
     "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
     "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
     "tls": Key(section(TLS_KEYS), None, "TLS settings for https targets"),
@@ -465,6 +471,7 @@ class Deployment:
     tls: Tls = field(default_factory=Tls)
     prometheus: PrometheusTargets | None = None
     online_calibration: OnlineSettings | None = None
+    role: str = "auto"  # auto | prefill | decode | both (SERVER_ROLES)
     # The setup predictions use now: the seed until the online fit replaces it (exporter.serve.online_calibration).
     setup_in_use: SetupInUse = field(default_factory=SetupInUse, compare=False, repr=False)
 
@@ -645,7 +652,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
     deployment_auth, deployment_tls = Auth(**auth) if auth else Auth(), Tls(**tls) if tls else Tls()
     return Deployment(
         name=raw["name"], model=raw["model"], gpu=raw["gpu"].name, tensor_parallel=raw["tensor_parallel"],
-        kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"],
+        kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"], role=raw["role"],
         target_tokens_per_second=raw["target_tokens_per_second"] or defaults["target_tokens_per_second"],
         headroom=raw["headroom"] or defaults["headroom"],
         resolved=resolved,

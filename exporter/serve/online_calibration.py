@@ -123,6 +123,9 @@ class FitWindow:
     # The mean context the window's prefill tokens attended to (Window.prefill_mean_context_tokens): a
     # chunk after thousands of its prompt's tokens takes longer than the same chunk at its prompt's start.
     prefill_mean_context_tokens: float | None = None
+    # The KV bytes per token the engine allocated, where its page says (a float32 server behind a bfloat16
+    # config.json): counted as the reading counted them.
+    kv_bytes_per_token: float | None = None
 
     @property
     def usable(self) -> bool:
@@ -245,7 +248,7 @@ class _Columns:
 def window_setup(seed: model.ServingSetup, window: FitWindow) -> model.ServingSetup:
     """The setup the window's engine ran with: the seed's rates, the engine's own KV dtype and block
     size. The same function the reading predicts with, so the fit and the prediction count one setup."""
-    return page_setup(seed, window.kv_cache_dtype, window.block_size_tokens)
+    return page_setup(seed, window.kv_cache_dtype, window.block_size_tokens, window.kv_bytes_per_token)
 
 
 def _columns(seed: model.ServingSetup, window: FitWindow) -> _Columns:
@@ -638,7 +641,8 @@ def windows_from_readings(readings: Iterable[Reading], now_seconds: float) -> di
         window = FitWindow(reading.last_success_timestamp_seconds or now_seconds, reading.tokens_in_flight,
                            reading.requests_running, reading.prefill_tokens_per_step or 0.0,
                            reading.measured_step_seconds, fit_mix(reading.prefill_mix), reading.kv_cache_dtype,
-                           reading.block_size_tokens, reading.prefill_mean_context_tokens)
+                           reading.block_size_tokens, reading.prefill_mean_context_tokens,
+                           reading.kv_cache_bytes_per_token)
         if window.usable:
             found.setdefault(reading.deployment, []).append((reading.identity, window))
     return found

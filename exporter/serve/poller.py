@@ -40,7 +40,8 @@ from exporter.serve.config import Config, Deployment, Tls
 from exporter.serve.discovery import Discovery, Target
 from exporter.serve.engines import PageReading, read_page
 from exporter.serve.lean_http import LeanPool, LeanResponse
-from exporter.serve.reading import Reading, derive_reading, page_setup, server_wide_reading
+from exporter.serve.open_context import OpenContext, open_context
+from exporter.serve.reading import OpenContexts, Reading, derive_reading, server_wide_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window, compute_window
 
@@ -456,10 +457,13 @@ class TargetState:
     last_success_seconds: float | None = None
     # Last good snapshot per (model_name, engine), the window's previous reading.
     previous: dict[tuple[str, str], Snapshot] = field(default_factory=dict)
+    # The vLLM request ledger per (model_name, engine) at the last good poll (exporter/serve/open_context.py).
+    open_contexts: dict[tuple[str, str], OpenContext] = field(default_factory=dict)
     readings: list[Reading] = field(default_factory=list)
     # What was last logged about the page, so a lasting condition is logged once per change.
     problems: tuple[str, ...] = ()
-    page_settings: tuple[tuple[str, str, int], ...] = ()  # (engine, KV dtype, block size)
+    # (engine, KV dtype, block size, setup disagreements) as last logged
+    page_settings: tuple[tuple[str, str, int, tuple[tuple[str, str, str], ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -733,15 +737,23 @@ class Poller:
             state.problems = problems
         readings: list[Reading] = []
         previous: dict[tuple[str, str], Snapshot] = {}
+        contexts: dict[tuple[str, str], OpenContext] = {}
         server_wide: dict[str, tuple[list[Reading], Window]] = {}
+        # The window's time: from the last good poll, which every engine's previous snapshot is of.
+        window_seconds = now - state.last_success_seconds if state.last_success_seconds is not None else None
         for snapshot in page.snapshots:
             identity = (snapshot.model_name, snapshot.engine)
             window = self._compute_window(state.previous.get(identity), snapshot)
             if window.counter_reset:
                 log.info("counter_reset", deployment=deployment.name, target=target.target,
                          model_name=snapshot.model_name, engine=snapshot.engine, notes=list(window.notes))
+            start_context = state.open_contexts.get(identity) if identity in state.previous else None
+            end_context = open_context(snapshot, None if window.counter_reset else start_context)
+            if end_context is not None:
+                contexts[identity] = end_context
             reading = derive_reading(deployment, target, snapshot, window, now_seconds=now,
-                                     scrape_duration_seconds=duration_seconds)
+                                     scrape_duration_seconds=duration_seconds,
+                                     contexts=OpenContexts(start_context, end_context), window_seconds=window_seconds)
             readings.append(reading)
             previous[identity] = snapshot
             if "inter_token_latency" in snapshot.server_wide:
@@ -753,29 +765,33 @@ class Poller:
         self._log_page_settings(state, deployment, readings)
         self._log_partial(state, readings)
         state.kind, state.last_error, state.last_success_seconds = kind, None, now
-        state.previous, state.readings = previous, readings
+        state.previous, state.readings, state.open_contexts = previous, readings, contexts
         return readings
 
     def _log_page_settings(self, state: TargetState, deployment: Deployment, readings: Iterable[Reading]) -> None:
-        """The page's KV dtype and block size win over the config (reading.page_setup, which decides what
-        counts as different): say so once when they differ."""
-        configured = deployment.resolved.setup
+        """The page's KV dtype, block size and allocated KV bytes per token win over the config
+        (reading.page_setup, which decides what counts as different): say so once when they differ, with
+        what the config should say."""
         settings = tuple(sorted({
-            (reading.engine, reading.kv_cache_dtype or "", reading.block_size_tokens or 0)
+            (reading.engine, reading.kv_cache_dtype or "", reading.block_size_tokens or 0,
+             reading.setup_disagreements)
             for reading in readings if reading.engine or reading.kv_cache_dtype
         }))
         if settings == state.page_settings:
             return
         state.page_settings = settings
-        for engine, dtype, block_size in settings:
-            # `!=`, not `is not`: page_setup's cache may answer with an equal setup of another deployment.
-            if page_setup(configured, dtype or None, block_size or None) != configured:
+        configured = deployment.resolved.setup
+        for engine, dtype, block_size, disagreements in settings:
+            if disagreements or (block_size and block_size != configured.block_size_tokens):
                 log.warning("page_overrides_config", deployment=deployment.name, target=state.target.target,
                             engine=engine, page_kv_cache_dtype=dtype or None,
                             configured_kv_cache_dtype=deployment.kv_cache_dtype,
                             page_block_size=block_size or None,
                             configured_block_size=configured.block_size_tokens,
-                            using="the page's settings")
+                            disagreements={quantity: {"configured": mine, "page": theirs}
+                                           for quantity, mine, theirs in disagreements},
+                            using="the page's settings",
+                            change=_what_to_change(disagreements))
 
     def _log_partial(self, state: TargetState, readings: Iterable[Reading]) -> None:
         """Log the values a page does not allow, and the values exported as estimates, once per change,
@@ -820,3 +836,13 @@ def _reason(error: BaseException) -> str:
         detail = str(error)
         return detail if detail.startswith(reason) else reason
     return f"{type(error).__name__}: {error}"[:300]
+
+
+def _what_to_change(disagreements: Iterable[tuple[str, str, str]]) -> str | None:
+    """The config change that makes the configured model what the server runs (a 2 a.m. reader's next step)."""
+    quantities = {quantity for quantity, _, _ in disagreements}
+    if "weight_dtype" in quantities:
+        return "set the deployment's weight_dtype (and kv_cache_dtype) to what the server runs (its --dtype)"
+    if "kv_bytes_per_token" in quantities:
+        return "set the deployment's kv_cache_dtype to the server's (--kv-cache-dtype), or check the model"
+    return None

@@ -15,11 +15,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from exporter.capacity import model
-from exporter.serve.window import tokens_per_step
+from exporter.serve.window import part_way_done_tokens, tokens_per_step
 
 if TYPE_CHECKING:
     from exporter.serve.config import Deployment
     from exporter.serve.discovery import Target
+    from exporter.serve.open_context import OpenContext
     from exporter.serve.snapshot import Snapshot
     from exporter.serve.window import Window
 
@@ -29,7 +30,8 @@ IDLE_CONTEXT_TOKENS = 2000.0
 
 # The per-target values the collector exports (every stepbudget_<name> but target_up).
 VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp_seconds", "tokens_in_flight",
-                "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "requests_running", "requests_waiting",
+                "kv_cache_capacity_tokens", "kv_cache_usage_ratio", "kv_cache_used_tokens", "kv_cache_shared_ratio",
+                "requests_running", "requests_waiting",
                 "kv_cache_reserved_tokens",
                 "requests_waiting_for_capacity", "preemptions_total", "prefill_tokens_per_step",
                 "prefill_mean_context_tokens", "step_read_bytes",
@@ -38,7 +40,9 @@ VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp
                 "measured_step_median_seconds", "measured_step_median_lower_seconds",
                 "measured_step_median_upper_seconds", "prediction_error_ratio", "predicted_user_tokens_per_second",
                 "measured_user_tokens_per_second", "tokens_per_step", "step_budget_seconds", "token_budget_tokens",
-                "token_budget_utilization_ratio", "engine_sleeping")
+                "token_budget_utilization_ratio", "engine_sleeping", "prefill_tokens_per_second",
+                "prefill_capacity_tokens_per_second", "prefill_utilization_ratio",
+                "measured_time_to_first_token_seconds")
 # Values measured over the window between two polls: absent on a first poll, an idle window or a
 # counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
 MEDIAN_FIELDS = ("measured_step_median_seconds", "measured_step_median_lower_seconds",
@@ -50,9 +54,16 @@ WINDOW_FIELDS = ("measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_rati
 # sleep state, --enable-mfu-metrics): their absence is the server's configuration, not worth a log.
 # Where the window's prefill tokens stood in their prompts: only vLLM's pages say, and only where the window
 # computed some (Window.prefill_mean_context_tokens).
+# The share of the context read that is shared only where something is read; the prefill budget only on a
+# prefill server (role "prefill"), whose decode-step values are left out by design (PREFILL_SERVER_ABSENT).
 OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "step_read_bytes_ratio",
                    "prefill_mean_context_tokens",
-                   "engine_sleeping", "kv_cache_reserved_tokens")
+                   "engine_sleeping", "kv_cache_reserved_tokens", "kv_cache_shared_ratio",
+                   "prefill_tokens_per_second", "prefill_capacity_tokens_per_second", "prefill_utilization_ratio",
+                   "measured_time_to_first_token_seconds")
+PREFILL_SERVER_ABSENT = ("step_read_bytes", "predicted_step_seconds", "predicted_memory_step_seconds",
+                         "predicted_compute_step_seconds", "predicted_user_tokens_per_second", "tokens_per_step",
+                         "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio")
 
 
 # Why an exported value is an estimate (the `reason` label of stepbudget_estimated_info).
@@ -62,7 +73,19 @@ ESTIMATE_REASONS = {
                         "derived from block usage, assuming equal contexts",
     "kv_reservation": "the page reports only the KV its batch reserved (TGI: prompt + max_new_tokens per request), "
                       "not the tokens held: an upper bound",
+    "kv_memory_held": "the page says only the memory the KV cache holds: a prefix several running requests share "
+                      "is counted once though each reads it (low under prefix caching)",
+    "aborted_requests": "requests aborted by their clients leave vLLM's counters without a finished record: their "
+                        "context is taken out at the mean of the open requests (exact again at the next idle poll)",
 }
+# The widths a KV element or a weight is stored in (bytes), to tell a page's KV bytes per token as a dtype.
+_WIDTH_NAMES = {4.0: "float32", 2.0: "16-bit", 1.0: "8-bit", 0.5: "4-bit"}
+_WIDTH_TOLERANCE_RATIO = 0.02
+# The prompt tokens per step a prefill server's capacity is quoted at where its window says none (vLLM's
+# default max_num_batched_tokens on most setups).
+PREFILL_CAPACITY_CHUNK_TOKENS = 2048.0
+# A server is a P/D decode server where at least this share of its prompt tokens arrived by KV transfer.
+_TRANSFERRED_SHARE_FOR_DECODE = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,9 +99,15 @@ class Reading:
     target_up: bool = False
     scrape_duration_seconds: float | None = None
     last_success_timestamp_seconds: float | None = None
+    # What every decode step reads: the sum over the running requests of each one's whole context, a block
+    # several requests share counted once for each (docs/model.md, "Two quantities").
     tokens_in_flight: float | None = None
     kv_cache_capacity_tokens: float | None = None
     kv_cache_usage_ratio: float | None = None
+    # What the cache holds: a block several requests share counted once (capacity, KVCacheNearlyFull).
+    kv_cache_used_tokens: float | None = None
+    # The share of the tokens in flight whose KV another running request holds too: 1 - used / in flight.
+    kv_cache_shared_ratio: float | None = None
     # The KV the running batch reserved, where the page says only that (TGI): never a usage ratio.
     kv_cache_reserved_tokens: float | None = None
     requests_running: float | None = None
@@ -138,6 +167,21 @@ class Reading:
     # A server-wide reading's engines (not exported: each has its own series), each with its share of
     # the server-wide measured step (server_wide_reading): what the online fit learns from, per engine.
     ranks: tuple[Reading, ...] = field(default_factory=tuple)
+    # What the server does in a prefill/decode split: "prefill" (only prefills: no decode step to page on,
+    # a prefill budget instead), "decode" (prompts arrive by KV transfer) or "both"; None before it is known.
+    role: str | None = None
+    # A prefill server's budget: computed prompt tokens per second over the window, the rate its compute
+    # allows (effective compute / 2 x active parameters), their ratio, and the mean time to first token.
+    prefill_tokens_per_second: float | None = None
+    prefill_capacity_tokens_per_second: float | None = None
+    prefill_utilization_ratio: float | None = None
+    measured_time_to_first_token_seconds: float | None = None
+    # Where the page's own figures disagree with the configured model: (quantity, configured, page),
+    # exported as stepbudget_setup_disagreement_info.
+    setup_disagreements: tuple[tuple[str, str, str], ...] = field(default_factory=tuple)
+    # The KV bytes per token the server allocated, where its page says (Snapshot.kv_cache_bytes_per_token;
+    # not exported itself): the fit predicts each window with the setup the reading did (page_setup).
+    kv_cache_bytes_per_token: float | None = None
 
     @property
     def engine_sleeping(self) -> float | None:
@@ -197,17 +241,68 @@ def _valid(value: float | None, name: str, notes: list[str], *, upper: float | N
 
 
 @lru_cache(maxsize=256)
-def page_setup(setup: model.ServingSetup, kv_cache_dtype: str | None, block_size_tokens: int | None
-               ) -> model.ServingSetup:
-    """The deployment's setup with the KV dtype and block size the server itself reports: the page
-    knows what the server runs with, the config only what someone wrote down."""
+def page_setup(setup: model.ServingSetup, kv_cache_dtype: str | None, block_size_tokens: int | None,
+               kv_bytes_per_token: float | None = None) -> model.ServingSetup:
+    """The deployment's setup with the KV dtype and block size the server itself reports, and the KV bytes
+    per token it allocated where the page says them: the page knows what the server runs with, the config
+    only what someone wrote down. With cache_dtype "auto" the KV cache is in the model's own dtype (0.32.0
+    vllm/utils/torch_utils.py l. 438-445), so an unquantized model's weights are in that width too (a
+    config.json saying bfloat16 served with --dtype float32: every byte twice what the config says)."""
     changes: dict[str, object] = {}
     page_bytes = _page_kv_bytes(kv_cache_dtype, setup) if kv_cache_dtype is not None else None
+    allocated = _allocated_kv_width(setup, kv_bytes_per_token, block_size_tokens)
+    if allocated is not None:
+        page_bytes = allocated
+        auto = (kv_cache_dtype or "auto").lower() == "auto"
+        if auto and setup.weight_bytes_per_param >= model.UNQUANTIZED_BYTES_PER_PARAM \
+                and allocated >= model.UNQUANTIZED_BYTES_PER_PARAM and allocated != setup.weight_bytes_per_param:
+            changes["weight_bytes_per_param"] = allocated
     if page_bytes is not None and page_bytes != setup.kv_bytes_per_element:
         changes["kv_bytes_per_element"] = page_bytes
     if block_size_tokens is not None and block_size_tokens != setup.block_size_tokens:
         changes["block_size_tokens"] = block_size_tokens
-    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]  # changes: only int fields, mypy sees object
+    return replace(setup, **changes) if changes else setup  # type: ignore[arg-type]  # changes: only numeric fields, mypy sees object
+
+
+def _allocated_kv_width(setup: model.ServingSetup, kv_bytes_per_token: float | None, block_size_tokens: int | None
+                        ) -> float | None:
+    """Bytes per KV element from the bytes per token the server allocated, where they are one of the
+    widths elements come in; None where the page does not say, or the model's layout is one whose tokens
+    do not all hold every layer (sliding-window groups: the page's tokens are group-aware)."""
+    if kv_bytes_per_token is None or kv_bytes_per_token <= 0:
+        return None
+    if model.hybrid_kv_layout(setup.architecture, block_size_tokens or setup.block_size_tokens) is not None:
+        return None
+    per_element = model.kv_bytes_per_token(setup.architecture, 1.0, setup.tensor_parallel)
+    if per_element <= 0:
+        return None
+    width = kv_bytes_per_token / per_element
+    nearest = min(_WIDTH_NAMES, key=lambda known: abs(known - width))
+    return nearest if abs(nearest - width) <= _WIDTH_TOLERANCE_RATIO * nearest else None
+
+
+def setup_disagreements(configured: model.ServingSetup, page: model.ServingSetup) -> tuple[tuple[str, str, str], ...]:
+    """Where the page's setup differs from the configured one: (quantity, configured, page), for
+    stepbudget_setup_disagreement_info and a log line that says what to change."""
+    found: list[tuple[str, str, str]] = []
+    arch, tp = configured.architecture, configured.tensor_parallel
+    if page.kv_bytes_per_element != configured.kv_bytes_per_element:
+        found.append(("kv_bytes_per_token",
+                      f"{model.kv_bytes_per_token(arch, configured.kv_bytes_per_element, tp):.0f}",
+                      f"{model.kv_bytes_per_token(arch, page.kv_bytes_per_element, tp):.0f}"))
+    if page.weight_bytes_per_param != configured.weight_bytes_per_param:
+        found.append(("weight_dtype", _width_name(configured.weight_bytes_per_param),
+                      _width_name(page.weight_bytes_per_param)))
+    return tuple(found)
+
+
+def _configured_setup(deployment: Deployment, predicting: model.ServingSetup) -> model.ServingSetup:
+    """The setup as the config means it: a kv_cache_dtype of "auto" is the model's own width, as vLLM's is."""
+    return page_setup(predicting, "auto", None) if deployment.kv_cache_dtype.lower() == "auto" else predicting
+
+
+def _width_name(bytes_per_element: float) -> str:
+    return _WIDTH_NAMES.get(bytes_per_element, f"{bytes_per_element:g} bytes")
 
 
 def _page_kv_bytes(kv_cache_dtype: str, setup: model.ServingSetup) -> float | None:
@@ -222,15 +317,24 @@ def _page_kv_bytes(kv_cache_dtype: str, setup: model.ServingSetup) -> float | No
 
 @dataclass(frozen=True)
 class _Occupancy:
-    tokens_in_flight: float | None
+    tokens_in_flight: float | None  # context read: each request's whole context
     capacity_tokens: float
-    usage_ratio: float | None
+    usage_ratio: float | None  # memory held, 0-1
     estimated: tuple[tuple[str, str], ...]
+    used_tokens: float | None = None  # memory held, in tokens
+
+    @property
+    def shared_ratio(self) -> float | None:
+        """The share of the context read whose KV another running request holds too."""
+        if self.tokens_in_flight is None or self.used_tokens is None or self.tokens_in_flight <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.used_tokens / self.tokens_in_flight))
 
 
-def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | None, notes: list[str]
-               ) -> _Occupancy:
-    """Tokens in flight, capacity and usage: from the page, converted for hybrid KV where needed."""
+def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | None, notes: list[str],
+               context: OpenContext | None = None) -> _Occupancy:
+    """Two quantities, never one for the other (DESIGN §2): the context the running requests read
+    (tokens in flight) and the memory the cache holds (KV used, capacity and usage)."""
     usage = _valid(snapshot.kv_cache_usage_ratio, "kv_cache_usage_ratio", notes, upper=1.0)
     capacity = _valid(snapshot.kv_cache_capacity_tokens, "kv_cache_capacity_tokens", notes)
     estimated: list[tuple[str, str]] = []
@@ -239,34 +343,50 @@ def _occupancy(setup: model.ServingSetup, snapshot: Snapshot, running: float | N
         capacity = float(model.kv_capacity_tokens(setup))
         estimated.append(("kv_cache_capacity_tokens", "model_capacity"))
         notes.append("kv_cache_capacity_tokens: from the model (the page does not report it)")
-    tokens = _valid(snapshot.tokens_in_flight, "tokens_in_flight", notes)
+    read = _valid(snapshot.tokens_in_flight, "tokens_in_flight", notes)
+    used = _valid(snapshot.kv_cache_used_tokens, "kv_cache_used_tokens", notes)
     reserved = _valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", notes)
-    if tokens is None and usage is None and reserved is not None:
+    if read is None and used is None and usage is None and reserved is not None:
         # Only the reservation (TGI): the prediction's upper bound, and no usage ratio, which would near
         # 1 whenever the router packs a batch while the cache holds far fewer tokens.
         estimated.append(("tokens_in_flight", "kv_reservation"))
         return _Occupancy(reserved, capacity, None, tuple(estimated))
-    if tokens is not None and capacity > 0:
-        usage = min(1.0, tokens / capacity)  # SGLang's token_usage is rounded to 2 decimals
-    elif tokens is None and usage is not None:
-        layout = model.hybrid_kv_layout(setup.architecture, setup.block_size_tokens)
-        if layout is not None and snapshot.kind == "vllm" and snapshot.kv_cache_blocks and running:
-            # vLLM's usage is 1 - free/(blocks - 1) over one pool shared by every KV group
-            # (0.33.0 vllm/v1/core/block_pool.py l. 921-932): not a share of context tokens.
-            used_blocks = usage * (snapshot.kv_cache_blocks - 1)
-            context = model.context_from_blocks(layout, used_blocks / running, setup.block_size_tokens)
-            tokens = context * running
-            capacity = tokens / usage if usage > 0 else capacity
-            estimated += [("tokens_in_flight", "hybrid_kv_blocks"), ("kv_cache_capacity_tokens", "hybrid_kv_blocks")]
-        else:
-            tokens = _vllm_context_tokens(snapshot, capacity, running)
-            if tokens is None:
-                tokens = usage * capacity
-            if estimated:
-                estimated.append(("tokens_in_flight", "model_capacity"))
-    if usage is None and tokens is not None and capacity > 0:
-        usage = min(1.0, tokens / capacity)
-    return _Occupancy(tokens, capacity, usage, tuple(dict.fromkeys(estimated)))
+    if used is not None and capacity > 0:
+        usage = min(1.0, used / capacity)  # SGLang's token_usage is rounded to 2 decimals
+    elif used is None and usage is not None:
+        used, capacity, hybrid = _used_from_usage(setup, snapshot, usage, capacity, running)
+        if hybrid:
+            estimated += [("kv_cache_used_tokens", "hybrid_kv_blocks"),
+                          ("kv_cache_capacity_tokens", "hybrid_kv_blocks")]
+        elif estimated:
+            estimated.append(("kv_cache_used_tokens", "model_capacity"))
+    if read is None and snapshot.kind == "vllm" and context is not None:
+        # Each open request counted whole, and the chunks of a prompt part-way through its prefill.
+        read = context.context_tokens + part_way_done_tokens(snapshot)
+        if context.estimated:
+            estimated.append(("tokens_in_flight", "aborted_requests"))
+    elif read is None and used is not None:
+        read = used
+        estimated.append(("tokens_in_flight", "kv_memory_held"))
+        estimated += [("tokens_in_flight", reason) for name, reason in estimated if name == "kv_cache_used_tokens"]
+    if usage is None and used is not None and capacity > 0:
+        usage = min(1.0, used / capacity)
+    return _Occupancy(read, capacity, usage, tuple(dict.fromkeys(estimated)), used)
+
+
+def _used_from_usage(setup: model.ServingSetup, snapshot: Snapshot, usage: float, capacity: float,
+                     running: float | None) -> tuple[float, float, bool]:
+    """(tokens held, capacity, whether converted from a hybrid model's blocks) from a usage ratio."""
+    layout = model.hybrid_kv_layout(setup.architecture, setup.block_size_tokens)
+    if layout is not None and snapshot.kind == "vllm" and snapshot.kv_cache_blocks and running:
+        # vLLM's usage is 1 - free/(blocks - 1) over one pool shared by every KV group
+        # (0.33.0 vllm/v1/core/block_pool.py l. 921-932): not a share of context tokens.
+        used_blocks = usage * (snapshot.kv_cache_blocks - 1)
+        context = model.context_from_blocks(layout, used_blocks / running, setup.block_size_tokens)
+        held = context * running
+        return held, held / usage if usage > 0 else capacity, True
+    from_blocks = _vllm_context_tokens(snapshot, capacity, running)
+    return (usage * capacity if from_blocks is None else from_blocks), capacity, False
 
 
 def _vllm_context_tokens(snapshot: Snapshot, capacity: float, running: float | None) -> float | None:
@@ -287,17 +407,32 @@ def _vllm_context_tokens(snapshot: Snapshot, capacity: float, running: float | N
     return max(0.0, block_tokens - (block - 1) / 2 * (running or 0.0))
 
 
+@dataclass(frozen=True)
+class OpenContexts:
+    """The vLLM request ledger (exporter/serve/open_context.py) at a window's two ends: what the requests
+    open at each end read. The poller keeps it across polls; None at an end where the page cannot say."""
+
+    start: OpenContext | None = None
+    end: OpenContext | None = None
+
+
 def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, window: Window | None, *,
-                   now_seconds: float, scrape_duration_seconds: float) -> Reading:
-    """Everything derivable from one snapshot, its window over the previous one, and the model."""
+                   now_seconds: float, scrape_duration_seconds: float, contexts: OpenContexts | None = None,
+                   window_seconds: float | None = None) -> Reading:
+    """Everything derivable from one snapshot, its window over the previous one, and the model.
+
+    `window_seconds`: the time between the window's two polls, for the rates a prefill server is read by."""
     notes: list[str] = list(snapshot.missing)
+    contexts = contexts or OpenContexts()
     predicting, rates_source = deployment.predicting_setup()  # the online fit's once it replaced the seed
-    setup = page_setup(predicting, snapshot.kv_cache_dtype, snapshot.block_size_tokens)
+    setup = page_setup(predicting, snapshot.kv_cache_dtype, snapshot.block_size_tokens,
+                       snapshot.kv_cache_bytes_per_token)
     running = _valid(snapshot.requests_running, "requests_running", notes)
     waiting = _valid(snapshot.requests_waiting, "requests_waiting", notes)
     waiting_for_capacity = _valid(snapshot.requests_waiting_for_capacity, "requests_waiting_for_capacity", notes)
-    occupancy = _occupancy(setup, snapshot, running, notes)
+    occupancy = _occupancy(setup, snapshot, running, notes, contexts.end)
     tokens = occupancy.tokens_in_flight
+    role = server_role(deployment.role, snapshot)
 
     measured_mean = prefill = prefill_context = server_bytes = None
     median: Median = (None, None, None)
@@ -336,7 +471,10 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         engine=snapshot.engine, namespace=target.namespace, pod=target.pod, target_up=True,
         scrape_duration_seconds=scrape_duration_seconds, last_success_timestamp_seconds=now_seconds,
         tokens_in_flight=tokens, kv_cache_capacity_tokens=occupancy.capacity_tokens,
-        kv_cache_usage_ratio=occupancy.usage_ratio,
+        kv_cache_usage_ratio=occupancy.usage_ratio, kv_cache_used_tokens=occupancy.used_tokens,
+        kv_cache_shared_ratio=occupancy.shared_ratio, role=role,
+        kv_cache_bytes_per_token=snapshot.kv_cache_bytes_per_token,
+        setup_disagreements=setup_disagreements(_configured_setup(deployment, predicting), setup),
         kv_cache_reserved_tokens=_valid(snapshot.kv_cache_reserved_tokens, "kv_cache_reserved_tokens", []),
         requests_running=running, requests_waiting=waiting, requests_waiting_for_capacity=waiting_for_capacity,
         preemptions_total=_valid(snapshot.preemptions_total, "preemptions_total", notes),
@@ -353,6 +491,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     )
     if reading.engine_sleeping:
         return _asleep(reading, snapshot, notes)
+    if role == "prefill":
+        return _prefill_server(reading, setup, snapshot, window, window_seconds, notes)
     if tokens is None or running is None:
         notes.append("predicted_step_seconds: needs tokens in flight and running requests")
         reading = replace_reading(reading, token_budget_tokens=_token_budget(setup, budget_seconds, tokens, running),
@@ -368,7 +508,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     # target): this engine's measured step, the server-wide one its prediction is combined into
     # (server_wide_reading), or the server's bytes.
     scored = measured_mean or server_bytes or (server_wide and window is not None and window.measured_step_mean_seconds)
-    start = _window_start_load(setup, window) if scored else None
+    start = _window_start_load(setup, window, contexts.start) if scored else None
     window_predicted, window_bytes = predicted, None
     if start is not None:
         first, at_start = _predicted_load(setup, *start, prefill_load)
@@ -395,6 +535,48 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     return replace_reading(reading, lacking=_lacking(reading, snapshot))
 
 
+def server_role(configured: str, snapshot: Snapshot) -> str:
+    """What the server does in a prefill/decode split: the configured role, or where that is `auto`, the page's.
+
+    A P/D proxy sends the prefill server each request with max_tokens=1 (llm-d, vLLM's NixlConnector proxy):
+    every request ends at its first token, so the server samples tokens (generation_tokens_total grows)
+    while its ITL histogram, observed only from a request's second token on (0.32.0 vllm/v1/metrics/stats.py
+    l. 548-552), stays empty for its whole life. A decode server gets most of its prompt tokens by KV
+    transfer (prompt_tokens_by_source_total{source="external_kv_transfer"})."""
+    if configured != "auto":
+        return configured
+    itl, generated = snapshot.inter_token_latency, snapshot.generation_tokens_total
+    if itl is not None and itl.count == 0 and generated:
+        return "prefill"
+    transferred, prompt = snapshot.prompt_tokens_transferred_total, snapshot.prompt_tokens_total
+    if transferred and prompt and transferred >= _TRANSFERRED_SHARE_FOR_DECODE * prompt:
+        return "decode"
+    return "both"
+
+
+def _prefill_server(reading: Reading, setup: model.ServingSetup, snapshot: Snapshot, window: Window | None,
+                    window_seconds: float | None, notes: list[str]) -> Reading:
+    """A prefill-only server's reading: no decode step to predict or page on (no stream waits on its steps,
+    and the KV it holds for the decode side to pull is no context being decoded), a prefill budget instead:
+    the prompt tokens it computes a second against what its compute allows at the window's chunks."""
+    notes.append("role prefill: no decode step predicted or paged on; prefill budget = computed prompt tokens a "
+                 "second against what the device computes")
+    computed = window.prompt_tokens_computed if window is not None else None
+    rate = computed / window_seconds if computed is not None and window_seconds and window_seconds > 0 else None
+    per_step = reading.prefill_tokens_per_step or PREFILL_CAPACITY_CHUNK_TOKENS
+    capacity = model.prefill_tokens_per_second(setup, per_step, reading.prefill_mean_context_tokens)
+    ttft = window.time_to_first_token_mean_seconds if window is not None else None
+    prefill = replace_reading(
+        reading, step_budget_seconds=None, measured_step_seconds=None, measured_step_median_seconds=None,
+        measured_step_median_lower_seconds=None, measured_step_median_upper_seconds=None,
+        measured_user_tokens_per_second=None, tokens_per_step=None,
+        prefill_tokens_per_second=rate, prefill_capacity_tokens_per_second=capacity,
+        prefill_utilization_ratio=rate / capacity if rate is not None and capacity > 0 else None,
+        measured_time_to_first_token_seconds=_valid(ttft, "measured_time_to_first_token_seconds", notes),
+        notes=tuple(notes))
+    return replace_reading(prefill, lacking=_lacking(prefill, snapshot))
+
+
 def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
     """A sleeping engine's reading: no batch to predict, no steps to measure, no KV cache to fill.
 
@@ -405,6 +587,7 @@ def _asleep(reading: Reading, snapshot: Snapshot, notes: list[str]) -> Reading:
     notes.append(f"engine asleep (vllm:engine_sleep_state: {snapshot.sleep_state}): no prediction, no measured "
                  "step, no KV occupancy until it wakes")
     asleep = replace_reading(reading, tokens_in_flight=None, kv_cache_capacity_tokens=None, kv_cache_usage_ratio=None,
+                     kv_cache_used_tokens=None, kv_cache_shared_ratio=None,
                      prefill_tokens_per_step=None, measured_step_seconds=None, measured_step_median_seconds=None,
                      measured_user_tokens_per_second=None,
                      measured_step_median_lower_seconds=None, measured_step_median_upper_seconds=None,
@@ -446,7 +629,8 @@ def _predicted_load(setup: model.ServingSetup, tokens: float, running: float, pr
                                           context)
 
 
-def _window_start_load(setup: model.ServingSetup, window: Window | None) -> tuple[float, float] | None:
+def _window_start_load(setup: model.ServingSetup, window: Window | None, context: OpenContext | None = None
+                       ) -> tuple[float, float] | None:
     """(tokens in flight, running requests) at the window's first snapshot; None where unknown.
 
     The measured step is the mean over the window's tokens, while the end's load is what the poll
@@ -459,7 +643,7 @@ def _window_start_load(setup: model.ServingSetup, window: Window | None) -> tupl
         return None
     unused: list[str] = []  # the start's notes were said when it was the current poll
     running = _valid(start.requests_running, "requests_running", unused)
-    tokens = _occupancy(setup, start, running, unused).tokens_in_flight
+    tokens = _occupancy(setup, start, running, unused, context).tokens_in_flight
     return None if tokens is None or running is None else (tokens, running)
 
 
@@ -546,6 +730,8 @@ def _lacking(reading: Reading, snapshot: Snapshot) -> tuple[str, ...]:
     """Exported values absent for a reason that lasts: not the routine gaps of a window."""
     absent = [name for name in VALUE_FIELDS if _value_of(reading, name) is None]
     routine = set(WINDOW_FIELDS) | set(OPTIONAL_FIELDS)
+    if reading.role == "prefill":
+        routine |= set(PREFILL_SERVER_ABSENT)
     if snapshot.inter_token_latency is None:
         routine -= {"measured_step_seconds", *MEDIAN_FIELDS, "prediction_error_ratio"}
     if snapshot.prompt_tokens_total is None or snapshot.engine_steps_total is None:

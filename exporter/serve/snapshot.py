@@ -46,9 +46,15 @@ class Snapshot:
     # data-parallel engines, divided back). Hybrid-KV models need it: there usage counts blocks
     # across KV groups, not tokens.
     kv_cache_blocks: float | None = None
-    # Engines that report used tokens directly (SGLang's num_used_tokens) fill this; otherwise
-    # the reading derives it as usage ratio x capacity.
+    # What the running requests' decode steps read: the sum of each one's whole context, a prefix
+    # several of them share counted once for each. Engines that report it fill it (SGLang's
+    # decode_sum_seq_lens, the running batch's summed seq_lens: 0.5.23
+    # managers/scheduler_components/metrics_reporter.py `_decode_total_seq_lens`); on vLLM the reading
+    # derives it from the request counters (exporter/serve/open_context.py).
     tokens_in_flight: float | None = None
+    # The tokens the KV cache holds, a shared block counted once (SGLang's kv_used_tokens /
+    # num_used_tokens); vLLM's is derived from its usage ratio and blocks.
+    kv_cache_used_tokens: float | None = None
     # Tokens the running batch has reserved KV for, not those it holds (TGI's tgi_batch_current_max_tokens:
     # each request's prompt + max_new_tokens, in whole blocks). Engines that say what is held leave it None.
     kv_cache_reserved_tokens: float | None = None
@@ -77,6 +83,15 @@ class Snapshot:
     # vllm:request_generation_tokens, observed once per finished request: loggers.py l. 1318-1323).
     finished_prompt_tokens_total: float | None = None
     finished_generation_tokens_total: float | None = None
+    # Requests that finished (the _count of vllm:request_prompt_tokens) and requests that got their first
+    # token (vllm:time_to_first_token_seconds, one observation per request when its prefill ends:
+    # 0.32.0 vllm/v1/metrics/stats.py l. 517-522): their difference is the requests open past their prefill.
+    finished_requests_total: float | None = None
+    time_to_first_token: Histogram | None = None
+    # Prompt tokens whose KV arrived from another instance (P/D disaggregation; vLLM's
+    # prompt_tokens_by_source_total{source="external_kv_transfer"}, 0.32.0 vllm/v1/metrics/stats.py
+    # PromptTokenStats): no prefill ran for them here.
+    prompt_tokens_transferred_total: float | None = None
     preemptions_total: float | None = None
     # Engine steps so far (vLLM: the count of the iteration-tokens histogram), for prefill per step.
     engine_steps_total: float | None = None
@@ -107,6 +122,9 @@ class Snapshot:
     # The KV cache dtype the server runs with (vllm:cache_config_info's cache_dtype): "auto" follows
     # the model dtype, "fp8*" is one byte per element. It wins over the deployment config.
     kv_cache_dtype: str | None = None
+    # KV bytes per token the server allocated, where its page says both the KV memory and the tokens it
+    # holds (vLLM's cache_config_info kv_cache_memory_bytes / kv_cache_size_tokens): what it really runs.
+    kv_cache_bytes_per_token: float | None = None
     missing: tuple[str, ...] = field(default_factory=tuple)
     # Fields that hold one server-wide figure rather than this engine's own (SGLang's tokenizer-side
     # ITL histogram and token counters under --dp-size carry no dp_rank).

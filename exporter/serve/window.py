@@ -22,7 +22,8 @@ _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_toke
              "admission_rejections_total", "spec_decode_draft_tokens_total",
              "spec_decode_accepted_tokens_total", "prompt_tokens_admitted_total",
              "prompt_tokens_admitted_cached_total", "prompt_tokens_local_cache_hit_total",
-             "finished_prompt_tokens_total", "finished_generation_tokens_total")
+             "finished_prompt_tokens_total", "finished_generation_tokens_total", "finished_requests_total",
+             "prompt_tokens_transferred_total")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class Window:
     # The mean context a prompt token computed in the window attended to (its position in its prompt,
     # `_prefill_mean_context_tokens`): what a chunk's attention grows with. None where the page cannot say.
     prefill_mean_context_tokens: float | None = None
+    # Prompt tokens the engine computed in the window (`_PromptTokens.computed`), and the mean time to first
+    # token of the requests whose prefill ended in it: a prefill server's budget (reading.prefill_budget).
+    prompt_tokens_computed: float | None = None
+    time_to_first_token_mean_seconds: float | None = None
 
     @property
     def measured_step_median_point_seconds(self) -> float | None:
@@ -332,12 +337,15 @@ def _first_tokens(previous: Snapshot, current: Snapshot) -> float | None:
 def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
     """Prompt tokens admitted to compute and not yet counted as computed: the prompts part-way through
     their prefill (a request preempted and readmitted is not admitted again: 0.32.0
-    vllm/v1/metrics/stats.py l. 146-151; while prefix caching is off nothing is admitted and this is 0)."""
+    vllm/v1/metrics/stats.py l. 146-151; while prefix caching is off nothing is admitted and this is 0).
+    Prompt tokens whose KV arrived from another instance (a P/D decode server) are admitted and missed by
+    the local cache like any other, but counted as external_kv_transfer, never as computed (stats.py
+    l. 307-346 and 453-462): they are taken out, or they would read as a prompt part-way for ever."""
     admitted, hits = snapshot.prompt_tokens_admitted_total, snapshot.prompt_tokens_admitted_cached_total
     computed = snapshot.prompt_tokens_computed_total
     if admitted is None or hits is None or computed is None:
         return None
-    return max(0.0, admitted - hits - computed)
+    return max(0.0, admitted - hits - computed - (snapshot.prompt_tokens_transferred_total or 0.0))
 
 
 def _kv_tokens_beyond_counted(snapshot: Snapshot) -> float | None:
@@ -654,4 +662,20 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         draft_tokens_per_step=_draft_tokens_per_step(previous, current, steps),
         prefill_mean_context_tokens=(_prefill_mean_context_tokens(previous, current, prompt, counted_steps)
                                      if prefill else None),
+        prompt_tokens_computed=prompt.computed,
+        time_to_first_token_mean_seconds=_mean_of(previous.time_to_first_token, current.time_to_first_token),
     )
+
+
+def _mean_of(previous: Histogram | None, current: Histogram | None) -> float | None:
+    """The mean of the observations a histogram took between two readings; None where it took none."""
+    if previous is None or current is None or current.count <= previous.count:
+        return None
+    return max(0.0, current.sum - previous.sum) / (current.count - previous.count)
+
+
+def part_way_done_tokens(snapshot: Snapshot) -> float:
+    """The tokens computed so far of the prompts part-way through their prefill at this poll (`_PartWay`):
+    context their chunks attend to that no counter counts yet; 0 where the page cannot say."""
+    part_way = _PartWay.at(snapshot)
+    return part_way.done if part_way is not None else 0.0

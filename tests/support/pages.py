@@ -30,6 +30,12 @@ class VllmState:
     itl_buckets: dict[float, float] = field(default_factory=lambda: {0.01: 0, 0.025: 0, 0.05: 0, 0.1: 0})
     itl_count: float = 0
     itl_sum: float = 0.0
+    # The request counters (vllm:time_to_first_token_seconds, request_prompt_tokens, request_generation_tokens):
+    # absent where first_tokens is None, as on pages built before the reading counted contexts by them.
+    first_tokens: float | None = None
+    finished_requests: float = 0
+    finished_prompt_tokens: float = 0
+    finished_generation_tokens: float = 0
 
 
 def _number(value: float) -> str:
@@ -91,6 +97,20 @@ def vllm_page(*states: VllmState) -> str:
                 ("vllm:inter_token_latency_seconds_count", ids(s), s.itl_count),
                 ("vllm:inter_token_latency_seconds_sum", ids(s), s.itl_sum)]
     family("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.", itl)
+    counted = [s for s in states if s.first_tokens is not None]
+    if counted:
+        family("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
+               [row for s in counted for row in (
+                   ("vllm:time_to_first_token_seconds_bucket", {**ids(s), "le": "+Inf"}, s.first_tokens or 0.0),
+                   ("vllm:time_to_first_token_seconds_count", ids(s), s.first_tokens or 0.0),
+                   ("vllm:time_to_first_token_seconds_sum", ids(s), 0.1 * (s.first_tokens or 0.0)))])
+        for name, what in (("request_prompt_tokens", "finished_prompt_tokens"),
+                           ("request_generation_tokens", "finished_generation_tokens")):
+            family(f"vllm:{name}", "histogram", f"Number of {name.split('_')[1]} tokens processed.",
+                   [row for s in counted for row in (
+                       (f"vllm:{name}_bucket", {**ids(s), "le": "+Inf"}, s.finished_requests),
+                       (f"vllm:{name}_count", ids(s), s.finished_requests),
+                       (f"vllm:{name}_sum", ids(s), getattr(s, what)))])
     # vLLM's front end sums num_gpu_blocks over its data-parallel engines and writes the sum on every
     # engine's series (0.33.0 vllm/v1/engine/core_client.py l. 873-877).
     summed_blocks = sum(s.num_gpu_blocks for s in states)

@@ -35,7 +35,12 @@ SPECS = (
     # kv_used_tokens is the full-attention pool's used tokens; num_used_tokens is the larger of the
     # full and sliding-window pools' on hybrid SWA models (0.5.23 observability/pool_stats_observer.py
     # l. 84-91, 169), whose capacity max_total_num_tokens is the full pool's: kv_used_tokens first.
-    FamilySpec("tokens_in_flight", ("sglang:kv_used_tokens", "sglang:num_used_tokens"), "gauge"),
+    FamilySpec("kv_cache_used_tokens", ("sglang:kv_used_tokens", "sglang:num_used_tokens"), "gauge"),
+    # What the decode batch reads: the sum of its requests' seq_lens, a RadixAttention prefix shared by
+    # several counted once for each (0.5.23 managers/scheduler_components/metrics_reporter.py
+    # `_decode_total_seq_lens`, set with num_running_reqs and num_used_tokens at each decode log). Older
+    # releases lack it: the reading then falls back to the used tokens, marked as an estimate.
+    FamilySpec("tokens_in_flight", ("sglang:decode_sum_seq_lens",), "gauge", optional=True),
     FamilySpec(
         "inter_token_latency",
         ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),

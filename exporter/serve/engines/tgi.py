@@ -54,6 +54,7 @@ ADAPTER = Adapter(
         ("block_size_tokens", "TGI exports no block size"),
         ("tokens_in_flight", "TGI reports the tokens its batch reserved (tgi_batch_current_max_tokens), not those "
                              "held: predicted with the reservation, an upper bound"),
+        ("kv_cache_used_tokens", "TGI reports the tokens its batch reserved, not those held"),
         ("kv_cache_usage_ratio", "TGI has no KV usage metric, and its reservation over tgi_batch_max_total_tokens "
                                  "nears 1 whenever the router packs a batch: left out"),
     ),

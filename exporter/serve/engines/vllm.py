@@ -77,6 +77,10 @@ SPECS = (
     FamilySpec("finished_prompt_tokens_total", ("vllm:request_prompt_tokens_sum",), "counter", optional=True),
     FamilySpec("finished_generation_tokens_total", ("vllm:request_generation_tokens_sum",), "counter",
                optional=True),
+    FamilySpec("finished_requests_total", ("vllm:request_prompt_tokens_count",), "counter", optional=True),
+    FamilySpec("time_to_first_token", ("vllm:time_to_first_token_seconds",), "histogram", optional=True),
+    FamilySpec("prompt_tokens_transferred_total", ("vllm:prompt_tokens_by_source_total",), "counter",
+               match=(("source", "external_kv_transfer"),), optional=True),
     FamilySpec("preemptions_total", ("vllm:num_preemptions_total",), "counter"),
     FamilySpec("engine_steps_total", ("vllm:iteration_tokens_total_count",), "counter"),
     FamilySpec("iteration_tokens", ("vllm:iteration_tokens_total",), "histogram", optional=True),
@@ -151,6 +155,22 @@ def _apply_cache_config(scan: PageScan, selection: Selection, who_all: list[Iden
         blocks = _positive_number(mine[0], "num_gpu_blocks")
         if blocks is not None:
             values["kv_cache_blocks"] = blocks / engines
+        per_token = kv_bytes_per_token_from_cache_config(mine[0])
+        if per_token is not None:
+            values["kv_cache_bytes_per_token"] = per_token
+
+
+def kv_bytes_per_token_from_cache_config(labels: dict[str, str]) -> float | None:
+    """The KV bytes per token the server allocated: `kv_cache_memory_bytes` (the KV memory per worker,
+    0.32.0 vllm/config/cache.py l. 257-265; the CPU backend sets it from VLLM_CPU_KVCACHE_SPACE,
+    vllm/platforms/cpu.py l. 327) over `kv_cache_size_tokens` (the tokens its blocks hold,
+    vllm/v1/core/kv_cache_utils.py l. 2300-2321). None where either is "None" (on GPUs the memory is
+    unset unless --kv-cache-memory-bytes is given) or the block count was overridden
+    (--num-gpu-blocks-override), which sizes the cache apart from the memory."""
+    if _positive_number(labels, "num_gpu_blocks_override") is not None:
+        return None
+    memory, tokens = _positive_number(labels, "kv_cache_memory_bytes"), _positive_number(labels, "kv_cache_size_tokens")
+    return memory / tokens if memory is not None and tokens is not None else None
 
 
 def sleep_state(flags: dict[str, float]) -> str | None:
@@ -222,7 +242,8 @@ ADAPTER = Adapter(
     kind="vllm",
     specs=SPECS,
     roles=EngineLabels(model=("model_name",), engine="engine"),
-    not_offered=(("tokens_in_flight", "vLLM reports no used-token count: usage ratio x capacity"),),
+    not_offered=(("tokens_in_flight", "vLLM reports no context sum: derived from its request counters"),
+                 ("kv_cache_used_tokens", "vLLM reports no used-token count: usage ratio x its blocks")),
     extra_names=(CACHE_CONFIG, SLEEP_STATE, ADMISSION_REJECTIONS),
     finish=_finish,
 )
