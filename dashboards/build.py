@@ -44,7 +44,7 @@ POOL_SELECTOR = 'deployment=~"$deployment", model_name=~"$model"'
 TARGET_SELECTOR = POOL_SELECTOR + ', target=~"$target"'
 TOKENS_PER_SECOND = "suffix: tok/s"  # Grafana custom unit: no built-in tokens/s
 PANEL_HEIGHT = 8
-HALF, THIRD = 12, 8
+HALF, THIRD, QUARTER = 12, 8, 6
 Panel = Timeseries | Stat | StateTimeline
 
 
@@ -247,10 +247,13 @@ def overview() -> dash.Dashboard:
         ("Tokens in flight", [
             timeseries(
                 5, "Tokens in flight vs token budget and KV capacity", "short",
-                "Total context held by running requests, the most that fits the step budget (token budget, "
-                "dashed red) and the most the KV cache holds. Speed runs out at the budget, memory at capacity.",
+                "Tokens in flight: the context every decode step reads, summed over the running requests (a "
+                "prefix several requests share counted once for each); against the most that fits the step "
+                "budget (token budget, dashed red). KV used: what the cache holds (a shared block once); "
+                "against the KV capacity. Speed runs out at the budget, memory at capacity.",
                 [Query(per_target("stepbudget_tokens_in_flight"), "{{target}} in flight"),
                  Query(per_target("stepbudget_token_budget_tokens"), "{{target}} token budget"),
+                 Query(per_target("stepbudget_kv_cache_used_tokens"), "{{target}} KV used"),
                  Query(per_target("stepbudget_kv_cache_capacity_tokens"), "{{target}} KV capacity")],
                 budget_legend=".* token budget$", min_value=0),
             timeseries(
@@ -258,7 +261,14 @@ def overview() -> dash.Dashboard:
                 "Tokens in flight as a share of the token budget. The chart's KEDA example scales replicas "
                 "on the pool's value of this ratio.",
                 [Query(per_target("stepbudget_token_budget_utilization_ratio"), "{{target}}")],
-                limit=1, min_value=0),
+                width=QUARTER, limit=1, min_value=0),
+            timeseries(
+                14, "KV shared by prefix caching", "percentunit",
+                "Share of the tokens in flight whose KV another running request holds too: 1 - KV used / "
+                "tokens in flight. N requests on one long shared prompt approach 1 - 1/N: the cache holds "
+                "far less than each step reads.",
+                [Query(per_target("stepbudget_kv_cache_shared_ratio"), "{{target}}")],
+                width=QUARTER, min_value=0).max(1),
         ]),
         ("Per-user speed", [
             timeseries(
@@ -288,7 +298,8 @@ def overview() -> dash.Dashboard:
                 width=THIRD, min_value=0),
             timeseries(
                 11, "KV cache usage", "percentunit",
-                "Share of the KV cache in use. Above 95% for 10m raises StepBudgetKVCacheNearlyFull.",
+                "Share of the KV cache held (memory: a block several requests share counted once). Above 95% "
+                "for 10m raises StepBudgetKVCacheNearlyFull.",
                 [Query(per_target("stepbudget_kv_cache_usage_ratio"), "{{target}}")],
                 width=THIRD, limit=0.95, min_value=0).max(1),
             target_up_panel(12),
@@ -298,6 +309,28 @@ def overview() -> dash.Dashboard:
                 "calibrated, or the default share of peak).",
                 [Query(per_target("stepbudget_effective_bandwidth_bytes_per_second"), "{{target}} ({{source}})")],
                 min_value=0),
+        ]),
+        # A prefill-only server (P/D disaggregation) has no decode step: the panels above stay empty for it.
+        ("Prefill servers (P/D disaggregation)", [
+            timeseries(
+                15, "Prefill tokens/s vs prefill capacity", TOKENS_PER_SECOND,
+                "Prompt tokens a prefill-only server computed per second (prefix-cache hits excluded), and what "
+                "its compute allows: effective compute / (2 x active parameters), dashed red.",
+                [Query(per_target("stepbudget_prefill_tokens_per_second"), "{{target}} computed"),
+                 Query(per_target("stepbudget_prefill_capacity_tokens_per_second"), "{{target}} capacity")],
+                width=THIRD, budget_legend=".* capacity$", min_value=0),
+            timeseries(
+                16, "Prefill utilization", "percentunit",
+                "Prefill tokens/s as a share of the prefill capacity. Above 90% for 10m raises "
+                "StepBudgetPrefillOverCapacity.",
+                [Query(per_target("stepbudget_prefill_utilization_ratio"), "{{target}}")],
+                width=THIRD, limit=0.9, min_value=0),
+            timeseries(
+                17, "Time to first token", "s",
+                "Mean time to first token over each poll window (the server's TTFT histogram): what a prefill "
+                "pool short of compute costs its users.",
+                [Query(per_target("stepbudget_measured_time_to_first_token_seconds"), "{{target}}")],
+                width=THIRD, min_value=0),
         ]),
     ]
     return _layout(board, rows, first_row_id=101)
@@ -316,10 +349,13 @@ def pools() -> dash.Dashboard:
         ("Pool capacity", [
             timeseries(
                 1, "Pool tokens in flight vs token budget and KV capacity", "short",
-                "Sum over the pool's replicas. Adding a replica adds its token budget.",
+                "Sum over the pool's replicas. Adding a replica adds its token budget. Tokens in flight (what "
+                "the steps read) go against the token budget, KV used (what the caches hold, a prefix shared "
+                "by several requests once) against the KV capacity.",
                 [Query(f"deployment_model_name:stepbudget_tokens_in_flight:sum{{{sel}}}", "{{deployment}} in flight"),
                  Query(f"deployment_model_name:stepbudget_token_budget_tokens:sum{{{sel}}}",
                        "{{deployment}} token budget"),
+                 Query(f"deployment_model_name:stepbudget_kv_cache_used_tokens:sum{{{sel}}}", "{{deployment}} KV used"),
                  Query(f"deployment_model_name:stepbudget_kv_cache_capacity_tokens:sum{{{sel}}}",
                        "{{deployment}} KV capacity")],
                 budget_legend=".* token budget$", min_value=0),
@@ -330,7 +366,7 @@ def pools() -> dash.Dashboard:
                 limit=1, min_value=0),
             timeseries(
                 3, "Pool KV cache usage", "percentunit",
-                "Pool tokens in flight per pool KV capacity.",
+                "Pool KV used per pool KV capacity: memory held, a block shared by prefix caching counted once.",
                 [Query(f"deployment_model_name:stepbudget_kv_cache_usage:ratio{{{sel}}}", "{{deployment}}")],
                 limit=0.95, min_value=0).max(1),
             timeseries(

@@ -27,6 +27,8 @@ from exporter.serve.alerting import (
     PAGE_ALERT,
     PAGE_HOLD_SECONDS,
     PREEMPTION_WINDOW_SECONDS,
+    PREFILL_INTERFERENCE_MIN_PREFILL_TOKENS_PER_STEP,
+    PREFILL_OVER_CAPACITY_RATIO,
     PROMETHEUS_ONLY,
     AlertLoop,
     load_rules,
@@ -202,6 +204,9 @@ def test_thresholds_match_the_rule_expressions() -> None:
     file_rules = _rule_file_alerts()
     assert f"> {DRIFT_THRESHOLD_RATIO}" in file_rules["StepBudgetPredictionDrift"]["expr"]
     assert f"> {KV_CACHE_NEARLY_FULL_RATIO}" in file_rules["StepBudgetKVCacheNearlyFull"]["expr"]
+    assert f"> {PREFILL_OVER_CAPACITY_RATIO}" in file_rules["StepBudgetPrefillOverCapacity"]["expr"]
+    assert (f"(stepbudget_prefill_tokens_per_step) > {PREFILL_INTERFERENCE_MIN_PREFILL_TOKENS_PER_STEP:g}"
+            in file_rules["StepBudgetPrefillInterference"]["expr"])
     window = re.search(r"\[(\w+)\]", file_rules["StepBudgetPreemptions"]["expr"]).group(1)
     assert parse_duration_seconds(window) == PREEMPTION_WINDOW_SECONDS
     # The page holds a series with no reading as long as the rule's last_over_time looks back.
@@ -322,9 +327,16 @@ def held(r: Reading, minutes: int = 16) -> list[list[Reading]]:
     ({"predicted_step_seconds": 0.02, "predicted_memory_step_seconds": 0.02}, {PAGE_ALERT}),
     ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1, "predicted_memory_step_seconds": 0.019},
      {"StepBudgetMeasuredStepOverBudget"}),
-    # Measured over, memory prediction fits: prompt chunks are the cause.
-    ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1}, {"StepBudgetMeasuredStepOverBudget",
-                                                                       "StepBudgetPrefillInterference"}),
+    # Measured over, memory prediction fits, prompt chunks in the steps: they are the cause.
+    ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1, "prefill_tokens_per_step": 256.0},
+     {"StepBudgetMeasuredStepOverBudget", "StepBudgetPrefillInterference"}),
+    # The same without prefill (a decode pod of a P/D split, or a page that cannot tell): not interference.
+    ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1, "prefill_tokens_per_step": 0.0},
+     {"StepBudgetMeasuredStepOverBudget"}),
+    ({"measured_step_seconds": 0.02, "prediction_error_ratio": -0.1, "prefill_tokens_per_step": None},
+     {"StepBudgetMeasuredStepOverBudget"}),
+    ({"prefill_utilization_ratio": 0.95}, {"StepBudgetPrefillOverCapacity"}),
+    ({"prefill_utilization_ratio": 0.9}, set()),
     ({"prediction_error_ratio": -0.16}, {"StepBudgetPredictionDrift"}),
     ({"prediction_error_ratio": 0.16}, {"StepBudgetPredictionDrift"}),
     ({"prediction_error_ratio": 0.15}, set()),
@@ -340,6 +352,71 @@ def test_missing_values_raise_no_alert(clock: ManualClock) -> None:
     blank = reading(predicted_step_seconds=None, measured_step_seconds=None, prediction_error_ratio=None,
                     kv_cache_usage_ratio=None, preemptions_total=None, predicted_memory_step_seconds=None)
     assert firing_names(held(blank), clock) == set()
+
+
+def prefill_server(**values: object) -> Reading:
+    """A prefill-only server (P/D disaggregation) as the reading gives it: no decode step, so no predicted,
+    memory or compute step and no step budget; a prefill budget and TTFT instead. A measured ITL may be
+    there (a prefill server that samples its first token), and prompt tokens in every step."""
+    base = dict(deployment="prefill", target="10.0.1.5:8000", model_name="Qwen/Qwen3-8B", engine="0",
+                target_up=True, role="prefill", prefill_tokens_per_step=8192.0, prefill_tokens_per_second=16384.0,
+                prefill_capacity_tokens_per_second=32768.0, prefill_utilization_ratio=0.5,
+                measured_time_to_first_token_seconds=0.25, measured_step_seconds=1.0, kv_cache_usage_ratio=0.5)
+    return Reading(**{**base, **values})  # type: ignore[arg-type]  # fields given as object: each test overrides a few
+
+
+def test_no_step_alert_fires_for_a_prefill_server(clock: ManualClock) -> None:
+    """No predicted step and no budget: the page, the measured-step warning and prefill interference have
+    nothing to compare, however slow its one ITL is, as the rules (tests/rules: the prefill servers)."""
+    assert firing_names(held(prefill_server(), minutes=40), clock) == set()
+
+
+def test_prefill_over_capacity_as_promtool_sees_it(clock: ManualClock) -> None:
+    """The promtool case minute by minute (tests/rules/stepbudget.alerts_test.yaml, StepBudgetPrefillOverCapacity):
+    .5 at half its capacity at 0m and at 15/16 from 1m is pending at 10m and firing at 11m; .6 exactly at
+    0.9 never fires. Neither gets a step alert."""
+    alerts = loop(clock, Recorder())
+    over = [prefill_server(prefill_utilization_ratio=0.5)] + [prefill_server(prefill_utilization_ratio=0.9375)] * 11
+    at_limit = prefill_server(target="10.0.1.6:8000", prefill_utilization_ratio=0.9)
+    verdicts = {}
+    for minute, reading_now in enumerate(over):
+        alerts.evaluate([reading_now, at_limit], clock.now)
+        verdicts[minute] = [(a["alertname"], a["target"]) for a in alerts.firing()]
+        clock.advance(60)
+    assert verdicts[10] == []
+    assert verdicts[11] == [("StepBudgetPrefillOverCapacity", "10.0.1.5:8000")]
+    [active] = alerts.active()
+    assert active["annotations"]["description"] == (  # type: ignore[index]  # annotations: a dict
+        "The prefill load of 10.0.1.5:8000 (deployment prefill, model Qwen/Qwen3-8B, engine 0) has been 93.75% of "
+        "its prefill capacity (over 90%) for 10 minutes: prompts queue and the time to first token grows.")
+
+
+def test_prefill_interference_as_promtool_sees_it(clock: ManualClock) -> None:
+    """The promtool case (StepBudgetPrefillInterference): measured 31.25 ms over a 15.625 ms budget from 1m
+    with the memory step inside it. With 256 prompt tokens a step it fires at 11m (memory step under the
+    budget, and exactly at it); with none (0, or unknown) it never does; with a memory step over the budget,
+    the tokens in flight are the cause, not prefill."""
+    budget, over, inside = 0.015625, 0.03125, 0.0078125
+    cases = {
+        "10.0.0.5:8000": {"predicted_memory_step_seconds": inside, "prefill_tokens_per_step": 256.0},
+        "10.0.0.6:8000": {"predicted_memory_step_seconds": budget, "prefill_tokens_per_step": 256.0},
+        "10.0.0.7:8000": {"predicted_memory_step_seconds": over, "prefill_tokens_per_step": 256.0},
+        "10.0.0.8:8000": {"predicted_memory_step_seconds": inside, "prefill_tokens_per_step": 0.0},
+        "10.0.0.9:8000": {"predicted_memory_step_seconds": inside, "prefill_tokens_per_step": None},
+    }
+    alerts = loop(clock, Recorder())
+    interfering = {}
+    for minute in range(12):
+        readings = [reading(target=target, namespace=None, pod=None, step_budget_seconds=budget,
+                            measured_step_seconds=budget if minute == 0 and target != "10.0.0.7:8000" else over,
+                            predicted_step_seconds=budget, **values)
+                    for target, values in cases.items()]
+        alerts.evaluate(readings, clock.now)
+        interfering[minute] = sorted(a["target"] for a in alerts.firing()
+                                     if a["alertname"] == "StepBudgetPrefillInterference")
+        clock.advance(60)
+    assert interfering[10] == []
+    assert interfering[11] == ["10.0.0.5:8000", "10.0.0.6:8000"]
 
 
 def test_preemptions_fire_while_increasing_and_clear_after_the_window(clock: ManualClock) -> None:

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__
 from exporter.capacity.presets import get_gpu, get_model_preset
@@ -19,6 +21,7 @@ from exporter.serve.collector import PER_TARGET, make_registry
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.discovery import Discovery
 from exporter.serve.online_calibration import setup_key
+from exporter.serve.reading import Reading
 from tests.support.clocks import ManualClock
 from tests.support.pages import VllmState, vllm_page
 from tests.support.pollers import MakePoller, scrape
@@ -150,6 +153,80 @@ def test_the_reading_knows_every_exported_value() -> None:
     from exporter.serve.reading import VALUE_FIELDS
 
     assert [spec.name.removeprefix("stepbudget_") for spec in PER_TARGET][1:] == list(VALUE_FIELDS)
+
+
+def _exported(readings: list[Reading]) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The collector's page for hand-built readings, parsed back: sample name -> [(labels, value)]."""
+    text = generate_latest(make_registry(lambda: readings, ())).decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def test_tokens_in_flight_and_kv_used_are_two_series() -> None:
+    """What a step reads and what the cache holds, exported side by side. Eight chats on one shared
+    2,000-token system prompt, each with 500 tokens of its own: every step reads 8 x 2,500 tokens of
+    context, while the cache holds the prompt once plus 8 x 500."""
+    tokens_in_flight = 8 * (2000 + 500)
+    used = 2000 + 8 * 500
+    capacity = 65536
+    shared = 1 - used / tokens_in_flight
+    assert (tokens_in_flight, used, shared) == (20000, 6000, pytest.approx(0.7))
+    decode = Reading(deployment="chat", target="10.0.0.5:8000", model_name="Qwen/Qwen3-8B", engine="0",
+                     target_up=True, tokens_in_flight=tokens_in_flight, kv_cache_used_tokens=used,
+                     kv_cache_capacity_tokens=capacity, kv_cache_usage_ratio=used / capacity,
+                     kv_cache_shared_ratio=shared, role="decode")
+    samples = _exported([decode])
+    labels = {"deployment": "chat", "target": "10.0.0.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0"}
+    assert samples["stepbudget_tokens_in_flight"] == [(labels, 20000)]
+    assert samples["stepbudget_kv_cache_used_tokens"] == [(labels, 6000)]
+    assert samples["stepbudget_kv_cache_usage_ratio"] == [(labels, pytest.approx(6000 / 65536))]
+    assert samples["stepbudget_kv_cache_shared_ratio"] == [(labels, pytest.approx(0.7))]
+    assert samples["stepbudget_target_role_info"] == [({**labels, "role": "decode"}, 1.0)]
+    # Not a prefill server: no prefill budget, and no disagreement with the configured model.
+    for name in ("stepbudget_prefill_tokens_per_second", "stepbudget_prefill_capacity_tokens_per_second",
+                 "stepbudget_prefill_utilization_ratio", "stepbudget_setup_disagreement_info"):
+        assert name not in samples, name
+
+
+def test_a_prefill_server_exports_its_prefill_budget_and_no_decode_step() -> None:
+    """A prefill-only server of Qwen3-8B on an H100 SXM: its capacity is what half the dense bf16 peak
+    computes at 2 FLOPs per active parameter per prompt token; the window computed 27,000 prompt tokens a
+    second and answered 40 first tokens in 12 s. No decode step, so no predicted step or budget."""
+    arch = get_model_preset("qwen3-8b")
+    compute = 0.5 * get_gpu("h100-sxm").peak_flops_per_second["bf16"]
+    capacity = compute / (2 * arch.params)
+    rate = 27000.0
+    ttft = 12.0 / 40
+    prefill = Reading(deployment="prefill", target="10.0.1.5:8000", model_name="Qwen/Qwen3-8B", engine="0",
+                      namespace="llm", pod="prefill-0", target_up=True, role="prefill",
+                      prefill_tokens_per_second=rate, prefill_capacity_tokens_per_second=capacity,
+                      prefill_utilization_ratio=rate / capacity, measured_time_to_first_token_seconds=ttft,
+                      setup_disagreements=(("kv_bytes_per_token", "147456", "73728"),
+                                           ("weight_dtype", "bf16", "fp8")))
+    samples = _exported([prefill])
+    labels = {"deployment": "prefill", "target": "10.0.1.5:8000", "model_name": "Qwen/Qwen3-8B", "engine": "0",
+              "namespace": "llm", "pod": "prefill-0"}
+    assert samples["stepbudget_prefill_tokens_per_second"] == [(labels, 27000)]
+    assert samples["stepbudget_prefill_capacity_tokens_per_second"] == [(labels, pytest.approx(capacity))]
+    assert capacity == pytest.approx(494.7e12 / (2 * 8.19e9))  # ~30,200 prompt tokens a second
+    assert samples["stepbudget_prefill_utilization_ratio"] == [(labels, pytest.approx(27000 / capacity))]
+    assert samples["stepbudget_measured_time_to_first_token_seconds"] == [(labels, 0.3)]
+    assert samples["stepbudget_target_role_info"] == [({**labels, "role": "prefill"}, 1.0)]
+    assert sorted(samples["stepbudget_setup_disagreement_info"], key=lambda row: row[0]["quantity"]) == [
+        ({**labels, "quantity": "kv_bytes_per_token", "configured": "147456", "page": "73728"}, 1.0),
+        ({**labels, "quantity": "weight_dtype", "configured": "bf16", "page": "fp8"}, 1.0)]
+    for name in ("stepbudget_predicted_step_seconds", "stepbudget_step_budget_seconds",
+                 "stepbudget_token_budget_tokens", "stepbudget_token_budget_utilization_ratio"):
+        assert name not in samples, name
+
+
+def test_a_role_not_yet_known_exports_no_role() -> None:
+    samples = _exported([Reading(deployment="chat", target="10.0.0.9:8000", target_up=False)])
+    assert "stepbudget_target_role_info" not in samples
+    assert samples["stepbudget_target_up"] == [({"deployment": "chat", "target": "10.0.0.9:8000"}, 0.0)]
 
 
 def test_first_poll_exports_no_measurement_and_no_made_up_zeros(page_server: PageServer, clock: ManualClock,

@@ -35,6 +35,7 @@ DESIGN_ALERTS = {
     "StepBudgetMeasuredStepOverBudget",
     "StepBudgetPredictionDrift",
     "StepBudgetPrefillInterference",
+    "StepBudgetPrefillOverCapacity",  # issue 33: a prefill-only server's budget (not in DESIGN §3's list yet)
     "StepBudgetKVCacheNearlyFull",
     "StepBudgetPreemptions",
     "StepBudgetTargetDown",
@@ -209,6 +210,10 @@ THRESHOLD_MUTATIONS = [
      "(stepbudget_measured_step_seconds)\n  >", "(stepbudget_measured_step_seconds)\n  >="),
     ("StepBudgetPredictionDrift", "> 0.15", ">= 0.15"),
     ("StepBudgetPrefillInterference", "<=", "<"),
+    # Interference needs prefill: a window that computed no prompt token (a P/D decode pod) cannot have it.
+    ("StepBudgetPrefillInterference", "(stepbudget_prefill_tokens_per_step) > 0",
+     "(stepbudget_prefill_tokens_per_step) >= 0"),
+    ("StepBudgetPrefillOverCapacity", "> 0.9", ">= 0.9"),
     ("StepBudgetKVCacheNearlyFull", "> 0.95", ">= 0.95"),
     ("StepBudgetPreemptions", "> 0", ">= 0"),
     ("StepBudgetExporterAbsent", "up == 0", "up <= 1"),

@@ -20,7 +20,14 @@ import pytest
 import requests
 import yaml
 
-from tests.support.monitoring import ALERTS_FILE, DAEMON_METRICS, RECORDING_FILE, REPO, grafana_to_promql
+from tests.support.monitoring import (
+    ALERTS_FILE,
+    DAEMON_METRICS,
+    DAEMON_METRICS_BEYOND_DESIGN,
+    RECORDING_FILE,
+    REPO,
+    grafana_to_promql,
+)
 from tests.support.servers import free_port, wait_until
 from tests.support.tools import require_tool
 
@@ -33,22 +40,25 @@ TARGETS = {
     "b": {"stepbudget_predicted_step_seconds": 0.0078125, "stepbudget_tokens_in_flight": 32768},
 }
 COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1,
-          "stepbudget_kv_cache_usage_ratio": 0.25,
+          "stepbudget_kv_cache_usage_ratio": 0.25, "stepbudget_engine_sleeping": 0,
           "stepbudget_measured_step_seconds": 0.015625, "stepbudget_prediction_error_ratio": 0.0}
-PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info"}
+PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info",
+                  "stepbudget_deployment_targets"}
 NOT_PER_TARGET = PER_DEPLOYMENT | {"stepbudget_build_info", "stepbudget_admission_decisions_total",
                                    "stepbudget_admitted_tokens"}
+# Labels a per-target family carries beyond the target's.
+EXTRA_LABELS = {"stepbudget_effective_bandwidth_bytes_per_second": ',source="default"',
+                "stepbudget_target_role_info": ',role="both"'}
 
 
 def exposition() -> str:
-    """A page with every per-target DESIGN §3 metric for targets a and b, plus build_info."""
+    """A page with every per-target metric the daemon exports for targets a and b, plus build_info."""
     lines = ['stepbudget_build_info{version="0.1.0"} 1']
     for target, values in TARGETS.items():
         labels = ",".join(f'{k}="{v}"' for k, v in {**SERIES, "target": target}.items())
-        for metric in sorted(DAEMON_METRICS - NOT_PER_TARGET):
+        for metric in sorted((DAEMON_METRICS | DAEMON_METRICS_BEYOND_DESIGN) - NOT_PER_TARGET):
             value = {**COMMON, **values}.get(metric, 1.0)
-            extra = ',source="default"' if metric == "stepbudget_effective_bandwidth_bytes_per_second" else ""
-            lines.append(f"{metric}{{{labels}{extra}}} {value}")
+            lines.append(f"{metric}{{{labels}{EXTRA_LABELS.get(metric, '')}}} {value}")
     return "\n".join(lines) + "\n"
 
 

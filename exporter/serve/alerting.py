@@ -57,6 +57,11 @@ RESOLVED_RETENTION_SECONDS = 15 * 60.0
 PREEMPTION_WINDOW_SECONDS = 5 * 60.0
 DRIFT_THRESHOLD_RATIO = 0.15
 KV_CACHE_NEARLY_FULL_RATIO = 0.95
+# Prefill interference needs prefill: a window whose steps computed no prompt token (a decode-only pod of a
+# P/D split, whose prompts arrive by KV transfer) cannot be slowed by prompt chunks, whatever else is slow.
+PREFILL_INTERFERENCE_MIN_PREFILL_TOKENS_PER_STEP = 0.0
+# A prefill server computing prompts above this share of its compute's rate queues them: TTFT grows.
+PREFILL_OVER_CAPACITY_RATIO = 0.9
 PAGE_ALERT = "StepBudgetPredictedStepOverBudget"
 # How long the page holds for a series with no reading of its predicted step (gone from discovery):
 # the `[30m]` of the page rule's last_over_time. Long enough to cover an overloaded pod that fails
@@ -121,6 +126,8 @@ def _page_held(reading: Reading, history: History) -> float | None:
 
 
 def _measured_over(reading: Reading, history: History) -> float | None:
+    """Measured over budget. A series without a step budget (a prefill-only server has no decode step)
+    compares to nothing, as an absent series in PromQL: neither this nor the page can fire for it."""
     return _over(reading.measured_step_seconds, reading.step_budget_seconds)
 
 
@@ -134,7 +141,13 @@ def _prefill_interference(reading: Reading, history: History) -> float | None:
     memory, budget = reading.predicted_memory_step_seconds, reading.step_budget_seconds
     if measured is None or memory is None or budget is None or memory > budget:
         return None
+    if _over(reading.prefill_tokens_per_step, PREFILL_INTERFERENCE_MIN_PREFILL_TOKENS_PER_STEP) is None:
+        return None
     return measured
+
+
+def _prefill_over_capacity(reading: Reading, history: History) -> float | None:
+    return _over(reading.prefill_utilization_ratio, PREFILL_OVER_CAPACITY_RATIO)
 
 
 def _kv_nearly_full(reading: Reading, history: History) -> float | None:
@@ -157,6 +170,7 @@ CONDITIONS: dict[str, Condition] = {
     "StepBudgetMeasuredStepOverBudget": _measured_over,
     "StepBudgetPredictionDrift": _drift,
     "StepBudgetPrefillInterference": _prefill_interference,
+    "StepBudgetPrefillOverCapacity": _prefill_over_capacity,
     "StepBudgetKVCacheNearlyFull": _kv_nearly_full,
     "StepBudgetPreemptions": _preempting,
     "StepBudgetTargetDown": _down,

@@ -6,7 +6,7 @@ is None is left out: a missing number is never exported as 0 or NaN. The values 
 latest (cached between polls, see DESIGN §2 for why), which the HELP texts say.
 
 Why the raw `Metric` class here and `*MetricFamily` in exporter/admission/metrics.py: every Reading
-puts ~22 samples on one label set, so this collector builds each label dict once per Reading and
+puts ~30 samples on one label set, so this collector builds each label dict once per Reading and
 hands it to `Metric.add_sample` for each family; `GaugeMetricFamily.add_metric` would zip label
 names and values into a new dict for every sample (a tenth of a 1,000-target render,
 benchmarks/results/scale.md). Admission exports a handful of samples, where the family classes'
@@ -56,15 +56,28 @@ PER_TARGET: tuple[PerTarget, ...] = (
               "Unix time of the last successful poll of the target.",
               _field("last_success_timestamp_seconds")),
     PerTarget("stepbudget_tokens_in_flight", "gauge",
-              "Tokens held in the KV cache by running requests: KV usage ratio x capacity" + POLLED + ".",
+              "Tokens every decode step reads: the sum over the running requests of each one's whole context, a "
+              "prefix several requests share counted once for each. Not the memory held (stepbudget_kv_cache_used_"
+              "tokens): the step prediction, token budget, utilization, admission and autoscaling follow this"
+              + POLLED + ".",
               _field("tokens_in_flight")),
     PerTarget("stepbudget_kv_cache_capacity_tokens", "gauge",
               "Tokens one engine's KV cache holds (vllm:cache_config_info; the model's estimate when the page lacks "
               "it, see stepbudget_estimated_info).",
               _field("kv_cache_capacity_tokens")),
     PerTarget("stepbudget_kv_cache_usage_ratio", "gauge",
-              "KV cache usage, 0-1 (vllm:kv_cache_usage_perc)" + POLLED + ".",
+              "Share of the KV cache held, 0-1: memory, a block several requests share counted once "
+              "(vllm:kv_cache_usage_perc)" + POLLED + ".",
               _field("kv_cache_usage_ratio")),
+    PerTarget("stepbudget_kv_cache_used_tokens", "gauge",
+              "Tokens of KV the cache holds: usage ratio x capacity, a block several requests share counted once. "
+              "Memory, not what a step reads (stepbudget_tokens_in_flight): capacity and StepBudgetKVCacheNearlyFull "
+              "follow this" + POLLED + ".",
+              _field("kv_cache_used_tokens")),
+    PerTarget("stepbudget_kv_cache_shared_ratio", "gauge",
+              "Share of the tokens in flight whose KV another running request holds too (prefix caching): "
+              "1 - KV used / tokens in flight, 0-1; N requests on one shared prompt approach 1 - 1/N.",
+              _field("kv_cache_shared_ratio")),
     PerTarget("stepbudget_requests_running", "gauge",
               "Requests in the running batch (vllm:num_requests_running)" + POLLED + ".",
               _field("requests_running")),
@@ -155,6 +168,23 @@ PER_TARGET: tuple[PerTarget, ...] = (
               "1 if the server says the engine sleeps (vllm:engine_sleep_state): no step is predicted or measured "
               "for it and its KV occupancy is left out; 0 if awake.",
               _field("engine_sleeping")),
+    # A prefill-only server (P/D disaggregation, stepbudget_target_role_info{role="prefill"}) has no decode
+    # step to predict or page on: its budget is prefill compute, and its users feel it as time to first token.
+    PerTarget("stepbudget_prefill_tokens_per_second", "gauge",
+              "Prompt tokens a prefill server computed per second over the last poll window (prefix-cache hits "
+              "excluded).",
+              _field("prefill_tokens_per_second")),
+    PerTarget("stepbudget_prefill_capacity_tokens_per_second", "gauge",
+              "Prompt tokens per second a prefill server's compute allows: effective compute / (2 x active "
+              "parameters).",
+              _field("prefill_capacity_tokens_per_second")),
+    PerTarget("stepbudget_prefill_utilization_ratio", "gauge",
+              "Prefill tokens per second / prefill capacity (over 0.9 for 10m raises StepBudgetPrefillOverCapacity).",
+              _field("prefill_utilization_ratio")),
+    PerTarget("stepbudget_measured_time_to_first_token_seconds", "gauge",
+              "Mean time to first token over the last poll window: delta(sum) / delta(count) of the server's TTFT "
+              "histogram.",
+              _field("measured_time_to_first_token_seconds")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
 DEPLOYMENT_TARGETS_METRIC = "stepbudget_deployment_targets"
@@ -179,6 +209,9 @@ EXPORTED_PARAMETERS = {fitted: exported for exported, fitted in FIT_PARAMETERS.i
 MIX_TOKENS_METRIC = "stepbudget_prefill_mix_tokens"
 MIX_SHARE_METRIC = "stepbudget_prefill_mix_share_ratio"
 WINDOW_SETUP_METRIC = "stepbudget_window_setup"
+# Per target metadata (info families: the sample names add `_info`).
+ROLE_METRIC = "stepbudget_target_role"
+DISAGREEMENT_METRIC = "stepbudget_setup_disagreement"
 
 
 class StepBudgetCollector(Collector):
@@ -205,7 +238,7 @@ class StepBudgetCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         readings = list(self._readings())
-        # Each reading's label set once per scrape, shared by its ~22 samples (never mutated after):
+        # Each reading's label set once per scrape, shared by its ~30 samples (never mutated after):
         # building it per sample was a tenth of a 1,000-target scrape (benchmarks/results/scale.md).
         labelled = [(reading, reading.labels) for reading in readings]
         for spec in PER_TARGET:
@@ -230,6 +263,7 @@ class StepBudgetCollector(Collector):
                 estimated.add_sample("stepbudget_estimated_info",
                                      {**labels, "quantity": quantity, "reason": reason}, 1.0)
         yield estimated
+        yield from self._roles_and_disagreements(labelled)
         yield from self._fit_windows(labelled)
         yield from self._per_deployment(readings)
         targets = Metric(DEPLOYMENT_TARGETS_METRIC, "Targets the last poll found for the deployment (discovery, or "
@@ -240,6 +274,25 @@ class StepBudgetCollector(Collector):
         build = Metric("stepbudget_build", "stepbudget build information.", "info")
         build.add_sample("stepbudget_build_info", {"version": __version__}, 1.0)
         yield build
+
+    def _roles_and_disagreements(self, labelled: Sequence[tuple[Reading, dict[str, str]]]) -> Iterator[Metric]:
+        """Per target, what the server is in a prefill/decode split (a prefill server has no decode-step
+        series, so a dashboard or rule tells "no prediction" from "prefill only" by this), and every figure
+        of its page that disagrees with the configured model (the page's wins; logged once)."""
+        roles = Metric(ROLE_METRIC, "The target's role in a prefill/decode split: label role is prefill (no decode "
+                       "step: a prefill budget instead), decode (prompts arrive by KV transfer) or both; absent "
+                       "while unknown.", "info")
+        disagreements = Metric(DISAGREEMENT_METRIC, "A figure the target's page gives that disagrees with the "
+                               "configured model: label quantity names it, configured and page the two values "
+                               "(the page's is used; docs/operations.md).", "info")
+        for reading, labels in labelled:
+            if reading.role is not None:
+                roles.add_sample(ROLE_METRIC + "_info", {**labels, "role": reading.role}, 1.0)
+            for quantity, configured, page in reading.setup_disagreements:
+                disagreements.add_sample(DISAGREEMENT_METRIC + "_info", {
+                    **labels, "quantity": quantity, "configured": configured, "page": page}, 1.0)
+        yield roles
+        yield disagreements
 
     def _fit_windows(self, labelled: Sequence[tuple[Reading, dict[str, str]]]) -> Iterator[Metric]:
         """Per target, what its window's online fit needs beyond the gauges: the window's steps by
@@ -282,13 +335,19 @@ class StepBudgetCollector(Collector):
                       "(configured_kv_cache_dtype: the config's).",
                       "info")
         page_dtypes: dict[str, set[str]] = {}
+        page_bytes: dict[str, set[float]] = {}
         for reading in readings:
             if reading.kv_cache_dtype and reading.target_up:
                 page_dtypes.setdefault(reading.deployment, set()).add(reading.kv_cache_dtype)
+            if reading.kv_cache_bytes_per_token and reading.target_up:
+                page_bytes.setdefault(reading.deployment, set()).add(reading.kv_cache_bytes_per_token)
         for deployment in self._deployments:
-            dtypes = page_dtypes.get(deployment.name, set())
+            dtypes, allocated = page_dtypes.get(deployment.name, set()), page_bytes.get(deployment.name, set())
             page_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
-            setup = page_setup(deployment.resolved.setup, page_dtype, None)
+            # The servers' own KV bytes per token where they all say the same (a float32 server behind a
+            # bfloat16 config.json: KV and weights twice what the config says).
+            setup = page_setup(deployment.resolved.setup, page_dtype, None,
+                               next(iter(allocated)) if len(allocated) == 1 else None)
             arch = setup.architecture
             labels = {"deployment": deployment.name}
             kv.add_sample(kv.name, labels,

@@ -32,6 +32,7 @@ DAEMON_METRICS: frozenset[str] = frozenset(
         "stepbudget_tokens_in_flight",
         "stepbudget_kv_cache_capacity_tokens",
         "stepbudget_kv_cache_usage_ratio",
+        "stepbudget_kv_cache_used_tokens",
         "stepbudget_requests_running",
         "stepbudget_requests_waiting",
         "stepbudget_preemptions_total",
@@ -61,9 +62,16 @@ DAEMON_METRICS: frozenset[str] = frozenset(
 )
 # Exported by the daemon (exporter/serve/collector.py) but not (yet) in DESIGN.md §3's list: the page
 # rule reads the sleep gauge to release its hold on a sleeping engine, StepBudgetNoTargets the targets
-# each deployment has.
+# each deployment has; the dashboards the KV shared by prefix caching and a prefill server's budget (issue
+# 33), which StepBudgetPrefillOverCapacity alerts on.
 DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sleeping",
-                                                          "stepbudget_deployment_targets"})
+                                                          "stepbudget_deployment_targets",
+                                                          "stepbudget_kv_cache_shared_ratio",
+                                                          "stepbudget_prefill_tokens_per_second",
+                                                          "stepbudget_prefill_capacity_tokens_per_second",
+                                                          "stepbudget_prefill_utilization_ratio",
+                                                          "stepbudget_measured_time_to_first_token_seconds",
+                                                          "stepbudget_target_role_info"})
 # Written by Prometheus itself for every scrape target.
 PROMETHEUS_METRICS: frozenset[str] = frozenset({"up"})
 
