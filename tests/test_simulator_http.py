@@ -93,13 +93,15 @@ def test_client_going_away_aborts_the_request(idle_server: ServerHandle) -> None
     released = threading.Event()
     for _ in range(200):
         with idle_server.engine.lock:
-            if idle_server.simulator.counters.request_success["abort"] == 1:
+            if not idle_server.simulator.running and not idle_server.simulator.waiting:
                 released.set()
                 break
         released.wait(0.05)  # bounded wait for the handler thread, not a timing assertion
     assert released.is_set(), "the aborted request was not released"
     with idle_server.engine.lock:
         assert idle_server.simulator.free_blocks == idle_server.simulator.num_gpu_blocks - 1  # less the null block
+        # vLLM's front end drops an aborted request unobserved (0.32.0 vllm/v1/engine/output_processor.py:552-614).
+        assert idle_server.simulator.counters.request_success["abort"] == 0
 
 
 def test_calibrate_url_measures_the_simulated_step(idle_server: ServerHandle) -> None:

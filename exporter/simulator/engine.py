@@ -14,11 +14,15 @@ Prefix caching (vLLM's kv_cache_manager): a request may carry a cached prefix (a
 re-sent by its next turn). When a request with no computed tokens is admitted, the hit is the
 cached prefix in whole blocks, at most prompt - 1 tokens; those tokens count as computed, their
 blocks are held (used) like any other, and only the rest is prefilled, so the step costs follow
-the computed tokens. The page's counters follow vLLM 0.33.0's accounting (see VllmPage and
-docs/simulator.md): prefix-cache queries and hits at admission, prompt tokens (cache hits
-included, split by source) when the prompt's last chunk finishes, and one iteration_tokens
-observation per step of the prompt tokens computed by the requests that got their first token
-in it, plus the tokens sampled in it.
+the computed tokens. A request may also begin with its group's shared prefix (one system prompt
+for all): its whole blocks are cached once the first request schedules them, later requests hit
+them, and the blocks are held ONCE however many running requests share them (reference counts,
+as vLLM's block pool keeps them), while every sharer's attention still reads its whole block
+table, shared blocks included: memory held and context read differ. The page's counters follow
+vLLM's accounting (see VllmPage and docs/simulator.md): prefix-cache queries and hits at a
+request's first admission, prompt tokens (cache hits included, split by source) when the
+prompt's last chunk finishes, and one iteration_tokens observation per step of the prompt tokens
+computed by the requests that got their first token in it, plus the tokens sampled in it.
 
 Data parallelism: a Simulator runs `data_parallel_size` engines, each with its own batch, KV
 cache, clock and counters; requests go to the least loaded (4 x waiting + running, as vLLM's
@@ -114,12 +118,14 @@ class SimRequest:
     on_token: Callable[[SimRequest], None] | None = None
     on_finish: Callable[[SimRequest], None] | None = None
     cached_prefix_tokens: int = 0  # of the prompt, already in this engine's prefix cache
+    shared_prefix_tokens: int = 0  # of the prompt, its group's common prefix (one system prompt for all)
     engine: int = 0  # index into Simulator.engines
     output_tokens: int = 0
     computed_tokens: int = 0
-    blocks: int = 0
+    blocks: int = 0  # its whole block table (shared prefix blocks included): what its attention reads
+    shared_blocks: int = 0  # of those, leading blocks that are its group's cached shared-prefix blocks
     preemptions: int = 0
-    prefix_hit_tokens: int = 0  # the hit at the latest admission (vLLM's PrefillStats.num_local_cached_tokens)
+    prefix_hit_tokens: int = 0  # the hit at its first admission (vLLM's PrefillStats.num_local_cached_tokens)
     reported_cached_tokens: int = 0  # the hit reported with the first token (OutputProcessor's num_cached_tokens)
     first_scheduled_seconds: float | None = None
     first_token_seconds: float | None = None
@@ -147,7 +153,7 @@ class StepRecord:
     prefill_tokens: int  # prompt (and recomputed) tokens computed in the step; cache hits excluded
     running: int
     waiting: int
-    held_tokens: int  # block-rounded tokens held by all running requests
+    held_tokens: int  # block-rounded tokens the cache holds after the step (used blocks: a shared one once)
     used_blocks: int
     memory_seconds: float
     compute_seconds: float
@@ -155,6 +161,7 @@ class StepRecord:
     sampled_tokens: int = 0  # tokens generated in the step (first tokens included)
     reported_prompt_tokens: int = 0  # prompt tokens vLLM reports with this step's first tokens
     iteration_tokens: int = 0  # what vLLM's iteration_tokens_total observes for the step
+    read_tokens: int = 0  # block-rounded tokens the step's attention read: every scheduled block table, whole
 
 
 @dataclass
@@ -164,6 +171,19 @@ class _PlannedStep:
     scheduled: list[tuple[SimRequest, int]]
     cost: StepCost
     prefix_lookups: list[tuple[int, int]] = field(default_factory=list)  # (queried tokens, hit tokens)
+    read_blocks: int = 0  # the block tables the step's cost was computed over
+
+
+@dataclass
+class _SharedPrefix:
+    """A group's common prompt prefix in one engine's prefix cache: its leading whole blocks cached
+    so far, and how many running requests hold each (vLLM's KVCacheBlock.ref_cnt). Every holder holds
+    a leading run of them, so the counts never grow along the prefix and the unheld ones are a tail."""
+
+    holders: list[int] = field(default_factory=list)
+
+    def unheld_among_first(self, blocks: int) -> int:
+        return sum(1 for count in self.holders[:blocks] if count == 0)
 
 
 @dataclass
@@ -190,7 +210,11 @@ class Engine:
         # vLLM's block pool takes one block as the null block at start (vllm/v1/core/block_pool.py:187):
         # requests share the other num_gpu_blocks - 1.
         self.usable_blocks = num_gpu_blocks - 1
+        # Free blocks include cached blocks no running request holds: vLLM keeps them in its free queue
+        # (block_pool.py:774-818 free_blocks) until an allocation evicts them (block_pool.py:666-690).
         self.free_blocks = self.usable_blocks
+        self.shared_prefixes: dict[str, _SharedPrefix] = {}  # by group name
+        self.unheld_cached_blocks = 0  # shared-prefix blocks still cached but held by no running request
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.steps: list[StepRecord] | None = [] if record_steps else None
@@ -231,6 +255,20 @@ class Engine:
         block = self.spec.block_size_tokens
         return min(request.cached_prefix_tokens, request.known_tokens - 1) // block * block
 
+    def shareable_blocks(self, request: SimRequest) -> int:
+        """The whole blocks of the request's shared prefix: only full blocks are hashed, so only they are
+        shared (vllm/v1/core/kv_cache_manager.py:264 get_computed_blocks: "the computed blocks must be full")."""
+        return request.shared_prefix_tokens // self.spec.block_size_tokens
+
+    def shared_hit_blocks(self, request: SimRequest) -> int:
+        """The cached blocks of its group's shared prefix a request admitted now would hit, at most all
+        tokens but one (kv_cache_manager.py:295 max_cache_hit_length = num_tokens - 1)."""
+        prefix = self.shared_prefixes.get(request.group)
+        if prefix is None:
+            return 0
+        limit = (request.known_tokens - 1) // self.spec.block_size_tokens
+        return min(len(prefix.holders), self.shareable_blocks(request), limit)
+
     def plan_step(self) -> _PlannedStep | None:
         """Schedule the next step at this engine's current time (once; cached until committed)."""
         if self.planned is not None:
@@ -246,9 +284,12 @@ class Engine:
             self._admit_waiting(scheduled, budget, lookups)
         if not scheduled:
             return None
+        # Each sequence reads its whole block table, shared prefix blocks included: vLLM 0.32.0's attention
+        # has no cascade (shared-prefix) kernel, so every request's attention reads every block it maps.
         cost = self.physics.step_cost([
             ScheduledSequence(new, req.computed_tokens, req.blocks) for req, new in scheduled])
-        self.planned = _PlannedStep(self.now_seconds, self.now_seconds + cost.seconds, scheduled, cost, lookups)
+        self.planned = _PlannedStep(self.now_seconds, self.now_seconds + cost.seconds, scheduled, cost, lookups,
+                                    sum(req.blocks for req, _ in scheduled))
         return self.planned
 
     def _schedule_running(self, scheduled: list[tuple[SimRequest, int]], budget: int) -> tuple[int, bool]:
@@ -271,6 +312,7 @@ class Engine:
             if preempted_itself:
                 break  # nothing older is left to schedule and no room remains
             self._allocate(request, needed)
+            self._cache_shared_prefix(request, request.computed_tokens + new_tokens)
             scheduled.append((request, new_tokens))
             budget -= new_tokens
             index += 1
@@ -289,22 +331,32 @@ class Engine:
 
     def _admit_waiting(self, scheduled: list[tuple[SimRequest, int]], budget: int,
                        lookups: list[tuple[int, int]]) -> None:
+        block = self.spec.block_size_tokens
         while self.waiting and budget > 0 and len(self.running) < self.spec.max_num_seqs:
             request = self.waiting[0]
             # The prefix cache is looked up only for a request with nothing computed (scheduler.py).
             looks_up = request.computed_tokens == 0 and self.spec.enable_prefix_caching
-            hit = self.prefix_hit(request) if looks_up else 0
+            shared = self.shared_hit_blocks(request) if looks_up else 0
+            # The longest hit: its own cached conversation or its group's shared prefix.
+            hit = max(self.prefix_hit(request), shared * block) if looks_up else 0
             computed = request.computed_tokens + hit
             new_tokens = min(request.known_tokens - computed, budget)
-            needed = self.blocks_for(computed + new_tokens) - request.blocks
-            if needed > self.free_blocks:
+            own_blocks = self.blocks_for(computed + new_tokens) - request.blocks - shared
+            # Hit blocks no running request holds leave the free queue (block_pool.py:752 touch).
+            if own_blocks + self._unheld_hit_blocks(request, shared) > self.free_blocks:
                 break
             self.waiting.popleft()
             self.running.append(request)
-            self._allocate(request, needed)  # cached blocks are held by the request: used blocks
+            self._hold_shared(request, shared)  # shared blocks: one more holder, no new memory
+            self._allocate(request, own_blocks)  # its own cached blocks are held by it alone: used blocks
+            self._cache_shared_prefix(request, computed + new_tokens)
             if looks_up:
-                request.prefix_hit_tokens = hit
                 request.computed_tokens = computed
+            if looks_up and request.preemptions == 0:
+                # A re-admitted (preempted) request's lookup counts apart from the page's queries and hits
+                # (vllm/v1/metrics/stats.py:146-151), and its prefill stats keep its first admission's
+                # hit (vllm/v1/core/sched/scheduler.py:1074-1081).
+                request.prefix_hit_tokens = hit
                 lookups.append((request.known_tokens, hit))
             if request.first_scheduled_seconds is None:
                 request.first_scheduled_seconds = self.now_seconds
@@ -315,10 +367,69 @@ class Engine:
         if blocks > 0:
             request.blocks += blocks
             self.free_blocks -= blocks
+            self._evict_unheld(self.unheld_cached_blocks - self.free_blocks)
+
+    def _unheld_hit_blocks(self, request: SimRequest, shared_blocks: int) -> int:
+        prefix = self.shared_prefixes.get(request.group)
+        return prefix.unheld_among_first(shared_blocks) if prefix is not None else 0
+
+    def _hold_shared(self, request: SimRequest, shared_blocks: int) -> None:
+        """The request maps the first `shared_blocks` cached blocks of its group's prefix into its table."""
+        if shared_blocks == 0:
+            return
+        prefix = self.shared_prefixes[request.group]
+        unheld = prefix.unheld_among_first(shared_blocks)
+        for position in range(shared_blocks):
+            prefix.holders[position] += 1
+        self.free_blocks -= unheld
+        self.unheld_cached_blocks -= unheld
+        request.blocks += shared_blocks
+        request.shared_blocks = shared_blocks
+
+    def _cache_shared_prefix(self, request: SimRequest, tokens: int) -> None:
+        """The request's full blocks of its shared prefix, up to `tokens`, become the cached copies.
+
+        vLLM caches full blocks when it schedules them, before they are computed
+        (kv_cache_manager.py:606-616 allocate_slots -> cache_blocks), so a request admitted later in the
+        same step already hits them. Only a request holding every cached block so far extends the cache:
+        one that hit fewer (admitted while the first was still prefilling) keeps its own copies of the
+        rest, held by it alone, as vLLM's duplicate blocks are.
+        """
+        if not (request.shared_prefix_tokens and self.spec.enable_prefix_caching):
+            return
+        prefix = self.shared_prefixes.setdefault(request.group, _SharedPrefix())
+        full_blocks = min(self.shareable_blocks(request), tokens // self.spec.block_size_tokens)
+        while request.shared_blocks == len(prefix.holders) < full_blocks:
+            prefix.holders.append(1)  # its own block, now findable by hash: no new memory
+            request.shared_blocks += 1
+
+    def _evict_unheld(self, blocks: int) -> None:
+        """Evict `blocks` unheld shared-prefix blocks, each prefix's tail first.
+
+        vLLM frees a request's blocks tail first and appends cached ones to the end of the free queue
+        (single_type_kv_cache_manager.py:588-589, block_pool.py:774-818), so they are reused after
+        blocks that were never cached. Simplification: the simulator does not track other requests'
+        freed full blocks as cached, so a shared prefix nobody holds is evicted only when no other free
+        block is left (vLLM's queue would evict whatever was freed least recently).
+        """
+        for prefix in self.shared_prefixes.values():
+            while blocks > 0 and prefix.holders and prefix.holders[-1] == 0:
+                prefix.holders.pop()
+                self.unheld_cached_blocks -= 1
+                blocks -= 1
 
     def _free(self, request: SimRequest) -> None:
-        self.free_blocks += request.blocks
-        request.blocks = 0
+        """Give back the request's blocks: its own to the pool; shared ones lose a holder, and those
+        left with none become free but stay cached (block_pool.py:774-818)."""
+        released = 0
+        if request.shared_blocks:
+            prefix = self.shared_prefixes[request.group]
+            for position in range(request.shared_blocks):
+                prefix.holders[position] -= 1
+                released += prefix.holders[position] == 0
+        self.unheld_cached_blocks += released
+        self.free_blocks += request.blocks - request.shared_blocks + released
+        request.blocks = request.shared_blocks = 0
 
     def _preempt(self, request: SimRequest) -> None:
         self._free(request)
@@ -334,7 +445,9 @@ class Engine:
                        if r.leave_at_seconds is not None and r.leave_at_seconds <= self.now_seconds]
         for request in leaving_now:
             if not request.finished:
-                self.finish(request, "stop")
+                # A session ending while it generates stops; one that never got a token cannot have
+                # stopped (a stop is a sampled token): its client went away, an abort.
+                self.finish(request, "stop" if request.first_token_seconds is not None else "abort")
                 self.update_gauges()
         self.leaving = [r for r in self.leaving if not r.finished]
 
@@ -371,7 +484,8 @@ class Engine:
                 planned.start_seconds, now, step_seconds, tally.decode_tokens, tally.prefill_tokens,
                 len(self.running), len(self.waiting), self.used_blocks * self.spec.block_size_tokens,
                 self.used_blocks, planned.cost.memory_seconds, planned.cost.compute_seconds, self.index,
-                tally.sampled_tokens, tally.reported_prompt_tokens, iteration_tokens))
+                tally.sampled_tokens, tally.reported_prompt_tokens, iteration_tokens,
+                planned.read_blocks * self.spec.block_size_tokens))
 
     def _advance(self, request: SimRequest, new_tokens: int, now: float, step_seconds: float,
                  tally: _StepTally) -> None:
@@ -433,6 +547,11 @@ class Engine:
         return computed if self.count_computed_prompt else request.prompt_tokens
 
     def finish(self, request: SimRequest, reason: str) -> None:
+        """End a request. `abort` is the client going away (the simulator's only abort): vLLM's front
+        end then drops the request's state (vllm/v1/engine/output_processor.py:552-614) and records no
+        finished-request stats, which come only from engine outputs carrying a finish reason (l. 712-715,
+        816-826): no request_success, no per-request histograms. Its prompt and generated tokens stay
+        counted in prompt_tokens_total and generation_tokens_total, as on a real server."""
         request.finish_reason = reason
         request.finished_seconds = self.now_seconds
         self._free(request)
@@ -440,14 +559,19 @@ class Engine:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        counters = self.counters
-        counters.request_success[reason] = counters.request_success.get(reason, 0.0) + 1
-        self._observe_finished(request)
+        if reason != "abort":
+            counters = self.counters
+            counters.request_success[reason] = counters.request_success.get(reason, 0.0) + 1
+            self._observe_finished(request)
         if request.on_finish is not None:
             request.on_finish(request)
 
     def _observe_finished(self, request: SimRequest) -> None:
-        """The per-request histograms of a finished request (vllm/v1/metrics/loggers.py:1278-1330)."""
+        """The per-request histograms of a finished request (vllm/v1/metrics/loggers.py:1278-1330).
+
+        Every request observed here got its first token, so its whole prompt is already in
+        prompt_tokens_total: prompt + generation totals less these two histograms' sums is the
+        context of the requests past their prefill and not finished (aborted ones stay in it)."""
         histograms = self.counters.histograms
         histograms["e2e"].observe(self.now_seconds - request.arrival_seconds)
         histograms["request_prompt_tokens"].observe(request.prompt_tokens)
@@ -597,7 +721,8 @@ class Simulator:
                                functools.partial(self._closed_loop_request, group, user))
 
     def _add_scenario_request(self, group: Group, user: int | None) -> None:
-        prompt, output = self.spec.fit_context(group.prompt_tokens.draw(self._rng),
+        # A group's prompts are its shared prefix (if any) followed by each request's own tokens.
+        prompt, output = self.spec.fit_context(group.shared_prefix_tokens + group.prompt_tokens.draw(self._rng),
                                                group.output_tokens.draw(self._rng))
         on_finish = None
         if isinstance(group, ClosedLoopGroup) and user is not None:
@@ -605,18 +730,22 @@ class Simulator:
         leave_at = group.leave_at_seconds if isinstance(group, ScriptedGroup) else None
         self.submit(prompt, output, group=group.name, user=user, leave_at_seconds=leave_at,
                     finish_reason_at_max="stop", on_finish=on_finish,
-                    cached_prefix_tokens=round(prompt * group.cached_ratio))
+                    cached_prefix_tokens=round(prompt * group.cached_ratio),
+                    shared_prefix_tokens=min(group.shared_prefix_tokens, prompt))
 
     # --- the public API ------------------------------------------------------------------
 
     def submit(self, prompt_tokens: int, max_tokens: int, *, arrival_seconds: float | None = None,
                group: str = "http", user: int | None = None, leave_at_seconds: float | None = None,
                finish_reason_at_max: str = "length", on_token: Callable[[SimRequest], None] | None = None,
-               on_finish: Callable[[SimRequest], None] | None = None, cached_prefix_tokens: int = 0) -> SimRequest:
+               on_finish: Callable[[SimRequest], None] | None = None, cached_prefix_tokens: int = 0,
+               shared_prefix_tokens: int = 0) -> SimRequest:
         """Add a request to an engine's waiting queue (it joins that engine's batch at its next step).
 
         `cached_prefix_tokens`: how much of the prompt is already in the prefix cache (a re-sent
-        conversation); the hit is found in whole blocks at admission."""
+        conversation); the hit is found in whole blocks at admission. `shared_prefix_tokens`: how much
+        of the prompt is the prefix every request of its `group` begins with (a system prompt); it is
+        cached once a request of the group schedules it, and its blocks are then held once."""
         if prompt_tokens < 1 or max_tokens < 1:
             raise InputError(f"prompt tokens and max_tokens must be at least 1, got {prompt_tokens} and {max_tokens}")
         if prompt_tokens + max_tokens > self.spec.max_model_len:
@@ -626,10 +755,13 @@ class Simulator:
                 f"{max_tokens} in the completion).")
         if not 0 <= cached_prefix_tokens <= prompt_tokens:
             raise InputError(f"cached prefix must be 0 to {prompt_tokens} tokens, got {cached_prefix_tokens}")
+        if not 0 <= shared_prefix_tokens <= prompt_tokens:
+            raise InputError(f"shared prefix must be 0 to {prompt_tokens} tokens, got {shared_prefix_tokens}")
         request = SimRequest(f"cmpl-{next(self._ids)}", prompt_tokens, max_tokens,
                              max(self.now_seconds, arrival_seconds or 0.0), group=group, user=user,
                              leave_at_seconds=leave_at_seconds, finish_reason_at_max=finish_reason_at_max,
-                             on_token=on_token, on_finish=on_finish, cached_prefix_tokens=cached_prefix_tokens)
+                             on_token=on_token, on_finish=on_finish, cached_prefix_tokens=cached_prefix_tokens,
+                             shared_prefix_tokens=shared_prefix_tokens)
         self._engine_for(request).enqueue(request)
         return request
 
@@ -663,6 +795,23 @@ class Simulator:
                 return
             self.now_seconds = end_seconds  # callbacks of the step (tokens, finishes) see its end
             engine.commit()
+
+    def run_one_step(self) -> bool:
+        """Run until the next step (of any engine) ends and stop right after it commits, before the
+        engine plans its next one: the engine's state is then the state its page shows (vLLM makes its
+        scheduler stats at the end of update_from_output, vllm/v1/core/sched/scheduler.py:2409). Other
+        engines keep any step they have planned. False when nothing is left to run."""
+        while True:
+            self._admit_arrivals()
+            earliest = self._earliest_step()
+            if earliest is not None:
+                break
+            if not self._arrivals:
+                return False
+            self.now_seconds = max(self.now_seconds, self._arrivals[0][0])
+        self.now_seconds, engine = earliest
+        engine.commit()
+        return True
 
     def render_metrics(self) -> bytes:
         return self.page.render()

@@ -7,7 +7,9 @@ A scenario is a list of request groups on a simulated-time line:
   * `scripted` — `count` requests at a fixed time, optionally leaving at `leave_at` (an agent
     session that ends while still generating).
 Token counts are drawn uniformly in mean x (1 ± spread). Any group may say that a share of each
-prompt is already in the prefix cache (`cached`: an agent re-sending its conversation). A scenario
+prompt is already in the prefix cache (`cached`: an agent re-sending its conversation), and that all
+its prompts begin with one common prefix (`shared_prefix_tokens`: a system prompt, followed by each
+request's own `prompt_tokens`), cached once and shared by the group's running requests. A scenario
 may also set up the server (`settings`: vLLM release line, data-parallel engines, KV cache dtype),
 over the defaults and under explicit command-line flags. The YAML format is in docs/simulator.md.
 """
@@ -53,6 +55,7 @@ class ClosedLoopGroup:
     stop_seconds: float | None = None
     ramp_seconds: float = 10.0  # users start spread over this long, so their requests do not move in lockstep
     cached_ratio: float = 0.0  # share of each prompt already in the prefix cache
+    shared_prefix_tokens: int = 0  # every prompt begins with this common prefix, then its own prompt_tokens
 
     def first_arrival_seconds(self, user: int, rng: random.Random) -> float:
         """When `user` (0 to users - 1) sends its first request: a random moment in its share of the ramp."""
@@ -68,6 +71,7 @@ class PoissonGroup:
     start_seconds: float = 0.0
     stop_seconds: float | None = None
     cached_ratio: float = 0.0
+    shared_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class ScriptedGroup:
     count: int = 1
     leave_at_seconds: float | None = None
     cached_ratio: float = 0.0
+    shared_prefix_tokens: int = 0
 
 
 Group = ClosedLoopGroup | PoissonGroup | ScriptedGroup
@@ -133,6 +138,18 @@ def _cached_agents(sessions: int = 2) -> ClosedLoopGroup:
                            ramp_seconds=10.0, cached_ratio=CACHED_AGENT_CACHED_RATIO)
 
 
+SHARED_PREFIX_TOKENS = 4000
+SHARED_PREFIX_USERS = 48
+
+
+def _shared_prefix_chats(users: int = SHARED_PREFIX_USERS) -> ClosedLoopGroup:
+    # Chat users of one assistant: every prompt is the same ~4,000-token system prompt plus ~400 tokens
+    # of its own, answered in ~300. Each decode step reads every user's whole ~4,500-token context while
+    # the cache holds the system prompt once: tokens in flight and KV used differ about 7-fold.
+    return ClosedLoopGroup("assistant", users, TokenCount(400, 0.25), TokenCount(300, 0.25), ramp_seconds=10.0,
+                           shared_prefix_tokens=SHARED_PREFIX_TOKENS)
+
+
 def builtin_scenarios() -> dict[str, Scenario]:
     return {
         "idle": Scenario("idle", "no background load: only requests sent to /v1/completions (for calibration)", ()),
@@ -161,6 +178,13 @@ def builtin_scenarios() -> dict[str, Scenario]:
             ((0.0, "40 chat users and 2 agent sessions start; "
                    "each agent turn computes only ~1,000 new prompt tokens"),),
             ScenarioSettings(vllm_version="0.33")),
+        "shared-prefix": Scenario(
+            "shared-prefix",
+            "48 chat users whose prompts all begin with one 4,000-token system prompt, each adding ~400 tokens "
+            "and answering ~300: ~220,000 tokens in flight read per step, ~30,000 held in the cache",
+            (_shared_prefix_chats(),),
+            ((0.0, "48 users start over the first 10 s; once the first prompt has scheduled the system prompt, "
+                   "every later one hits it in the prefix cache and computes only its own ~400 tokens"),)),
         "overload": Scenario(
             "overload",
             "64 users with ~6,000-token prompts and ~2,000-token answers: more context than the cache holds",
@@ -189,10 +213,11 @@ def load_scenario(name_or_path: str) -> Scenario:
     return scenario_from_dict(document, where=name_or_path)
 
 
+_COMMON_GROUP_KEYS = {"name", "kind", "prompt_tokens", "output_tokens", "cached", "shared_prefix_tokens"}
 _GROUP_KEYS = {
-    "closed": {"name", "kind", "users", "prompt_tokens", "output_tokens", "think", "start", "stop", "ramp", "cached"},
-    "poisson": {"name", "kind", "rate_per_second", "prompt_tokens", "output_tokens", "start", "stop", "cached"},
-    "scripted": {"name", "kind", "at", "count", "prompt_tokens", "output_tokens", "leave_at", "cached"},
+    "closed": _COMMON_GROUP_KEYS | {"users", "think", "start", "stop", "ramp"},
+    "poisson": _COMMON_GROUP_KEYS | {"rate_per_second", "start", "stop"},
+    "scripted": _COMMON_GROUP_KEYS | {"at", "count", "leave_at"},
 }
 _SETTINGS_KEYS = {"vllm_version", "data_parallel_size", "kv_cache_dtype", "enable_prefix_caching"}
 
@@ -243,22 +268,26 @@ def _group(doc: Any, where: str) -> Group:
     cached = _number(doc, "cached", where, default=0.0, minimum=0.0)
     if cached > 1:
         raise InputError(f"{where}.cached: a share of the prompt, 0 to 1, got {cached!r}")
+    # The tokens every prompt of the group begins with; prompt_tokens come after them.
+    shared = int(_number(doc, "shared_prefix_tokens", where, default=0, minimum=0, integer=True))
     if kind == "closed":
         return ClosedLoopGroup(name, int(_number(doc, "users", where, minimum=1, integer=True)), prompt, output,
                                think_seconds=_number(doc, "think", where, default=0.0, minimum=0.0),
                                start_seconds=start, stop_seconds=_stop(doc, start, where),
                                ramp_seconds=_number(doc, "ramp", where, default=10.0, minimum=0.0),
-                               cached_ratio=cached)
+                               cached_ratio=cached, shared_prefix_tokens=shared)
     if kind == "poisson":
         return PoissonGroup(name, _number(doc, "rate_per_second", where, exclusive_minimum=0.0), prompt, output,
-                            start_seconds=start, stop_seconds=_stop(doc, start, where), cached_ratio=cached)
+                            start_seconds=start, stop_seconds=_stop(doc, start, where), cached_ratio=cached,
+                            shared_prefix_tokens=shared)
     at = _number(doc, "at", where, minimum=0.0)
     leave_at = doc.get("leave_at")
     if leave_at is not None and _number(doc, "leave_at", where) <= at:
         raise InputError(f"{where}.leave_at: must be after at={at:g}, got {leave_at!r}")
     return ScriptedGroup(name, at, prompt, output, count=int(_number(doc, "count", where, default=1, minimum=1,
                                                                      integer=True)),
-                         leave_at_seconds=None if leave_at is None else float(leave_at), cached_ratio=cached)
+                         leave_at_seconds=None if leave_at is None else float(leave_at), cached_ratio=cached,
+                         shared_prefix_tokens=shared)
 
 
 def _no_unknown_keys(doc: dict[str, Any], allowed: set[str], where: str) -> None:
