@@ -92,6 +92,10 @@ class Snapshot:
     # prompt_tokens_by_source_total{source="external_kv_transfer"}, 0.32.0 vllm/v1/metrics/stats.py
     # PromptTokenStats): no prefill ran for them here.
     prompt_tokens_transferred_total: float | None = None
+    # Of the prompt tokens admitted, those a KV connector will load from another instance, counted at
+    # admission with the local lookups (vllm:external_prefix_cache_hits_total: 0.32.0
+    # vllm/v1/core/sched/scheduler.py l. 1294-1311): admitted, yet never computed here.
+    prompt_tokens_admitted_external_total: float | None = None
     preemptions_total: float | None = None
     # Engine steps so far (vLLM: the count of the iteration-tokens histogram), for prefill per step.
     engine_steps_total: float | None = None

@@ -23,7 +23,7 @@ _COUNTERS = ("prompt_tokens_total", "prompt_tokens_computed_total", "prompt_toke
              "spec_decode_accepted_tokens_total", "prompt_tokens_admitted_total",
              "prompt_tokens_admitted_cached_total", "prompt_tokens_local_cache_hit_total",
              "finished_prompt_tokens_total", "finished_generation_tokens_total", "finished_requests_total",
-             "prompt_tokens_transferred_total")
+             "prompt_tokens_transferred_total", "prompt_tokens_admitted_external_total")
 
 
 @dataclass(frozen=True)
@@ -338,14 +338,16 @@ def _uncounted_prompt_tokens(snapshot: Snapshot) -> float | None:
     """Prompt tokens admitted to compute and not yet counted as computed: the prompts part-way through
     their prefill (a request preempted and readmitted is not admitted again: 0.32.0
     vllm/v1/metrics/stats.py l. 146-151; while prefix caching is off nothing is admitted and this is 0).
-    Prompt tokens whose KV arrived from another instance (a P/D decode server) are admitted and missed by
-    the local cache like any other, but counted as external_kv_transfer, never as computed (stats.py
-    l. 307-346 and 453-462): they are taken out, or they would read as a prompt part-way for ever."""
+    Prompt tokens a KV connector loads from another instance (a P/D decode server) are admitted and miss
+    the local cache like any other, but are counted as external_kv_transfer, never as computed (stats.py
+    l. 307-346 and 453-462): the connector's hits, counted at admission beside the local ones
+    (vllm/v1/core/sched/scheduler.py l. 1294-1311), are taken out, or they would read as a prompt part-way
+    for ever, and a request waiting on its KV as one being prefilled."""
     admitted, hits = snapshot.prompt_tokens_admitted_total, snapshot.prompt_tokens_admitted_cached_total
     computed = snapshot.prompt_tokens_computed_total
     if admitted is None or hits is None or computed is None:
         return None
-    return max(0.0, admitted - hits - computed - (snapshot.prompt_tokens_transferred_total or 0.0))
+    return max(0.0, admitted - hits - computed - (snapshot.prompt_tokens_admitted_external_total or 0.0))
 
 
 def _kv_tokens_beyond_counted(snapshot: Snapshot) -> float | None:

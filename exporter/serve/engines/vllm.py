@@ -81,6 +81,8 @@ SPECS = (
     FamilySpec("time_to_first_token", ("vllm:time_to_first_token_seconds",), "histogram", optional=True),
     FamilySpec("prompt_tokens_transferred_total", ("vllm:prompt_tokens_by_source_total",), "counter",
                match=(("source", "external_kv_transfer"),), optional=True),
+    FamilySpec("prompt_tokens_admitted_external_total", ("vllm:external_prefix_cache_hits_total",), "counter",
+               optional=True),
     FamilySpec("preemptions_total", ("vllm:num_preemptions_total",), "counter"),
     FamilySpec("engine_steps_total", ("vllm:iteration_tokens_total_count",), "counter"),
     FamilySpec("iteration_tokens", ("vllm:iteration_tokens_total",), "histogram", optional=True),
