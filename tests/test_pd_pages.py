@@ -28,7 +28,8 @@ POLL_SECONDS = 15.0
 
 
 def _fed(role: str) -> dict[str, Any]:
-    return json.loads((PD / f"vllm-0.32.0_GENUINE_pd_{role}.expected.json").read_text())
+    fed: dict[str, Any] = json.loads((PD / f"vllm-0.32.0_GENUINE_pd_{role}.expected.json").read_text())
+    return fed
 
 
 def _config() -> Config:
@@ -96,8 +97,8 @@ def test_a_prefill_server_never_raises_the_page(make_poller: MakePoller, clock: 
     for _ in range(round(16 * 60 / POLL_SECONDS)):
         clock.advance(POLL_SECONDS)
         poller.poll_once()
-        names = {alert["labels"]["alertname"] for alert in alerts.active()  # type: ignore[index]
-                 if isinstance(alert["labels"], dict)}
+        names = {labels["alertname"] for alert in alerts.active()
+                 if isinstance(labels := alert["labels"], dict)}
         assert not names & {PAGE_ALERT, "StepBudgetMeasuredStepOverBudget", "StepBudgetPrefillInterference"}
 
 

@@ -2,12 +2,22 @@
 
 Why our own: checking stepbudget against a running engine needs the ground truth a client has and a
 benchmark tool does not report: every streamed token's arrival time (to compare the measured step
-with the gaps the clients saw, over the daemon's own windows) and, at any moment, how many tokens
-each running request holds in the KV cache (prompt + generated so far, to compare tokens in flight).
+with the gaps the clients saw, over the daemon's own windows) and, at any moment, each running
+request's whole context (prompt + generated so far: what its attention reads, to compare tokens in
+flight) and what the KV cache holds for them all (a prefix several requests share held once, to
+compare the memory used).
 
 Protocol facts (vLLM 0.32 OpenAI server, `/v1/completions`):
 - `prompt` may be a list of token ids: the prompt length is then exact, and random ids share no
   prefix, so prefix caching computes every prompt token.
+- A shared system prompt (`Phase.shared_prefix_tokens`): every request of the phase begins with the same
+  random ids, then its own. Prefix caching (on by default) shares a prefix's FULL blocks only (a block's
+  hash covers the whole block and every block before it: 0.32.0 vllm/v1/core/kv_cache_utils.py
+  hash_block_tokens), so the block where the prefix ends holds the request's own ids too and is its own.
+  And it shares only blocks already cached when a request is admitted: `warm_prefix` computes the
+  prefix once, alone, before the phase's requests start, so none of them computes a copy of its own.
+- `max_tokens` 1 is a request a prefill/decode proxy sends to the prefill side: one token back, from the
+  step that finished the prompt, and no decode step.
 - `"ignore_eos": true` with `max_tokens` gives an exact output length.
 - A streamed chunk can carry several tokens when the front end falls behind the engine; with
   `"stream_options": {"include_usage": true, "continuous_usage_stats": true}` every chunk carries
@@ -22,7 +32,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -47,6 +57,20 @@ class Stream:
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     finished_at_seconds: float | None = None
     error: str | None = None
+    # The first `shared_prefix_tokens` ids of the prompt are those every request of the prefix named
+    # `shared_prefix` begins with (a system prompt); "" where the whole prompt is the request's own.
+    shared_prefix: str = ""
+    shared_prefix_tokens: int = 0
+
+    @property
+    def first_token_at_seconds(self) -> float | None:
+        """When the first token arrived: the server computed the whole prompt by then."""
+        return self.arrivals[0][0] if self.arrivals else None
+
+    @property
+    def shared_tokens(self) -> int:
+        """Of the prompt, the ids other requests' prompts begin with too (0 without a shared prefix)."""
+        return self.shared_prefix_tokens if self.shared_prefix else 0
 
     def generated_by(self, at_seconds: float) -> int:
         """Completion tokens received by `at_seconds`."""
@@ -63,7 +87,8 @@ class Stream:
         return self.sent_at_seconds <= at_seconds and (end is None or at_seconds < end)
 
     def tokens_held_at(self, at_seconds: float) -> int:
-        """Prompt + generated so far while running, else 0: what the request holds in the KV cache."""
+        """Prompt + generated so far while running, else 0: the request's whole context, what its attention
+        reads each step (a shared prefix included: `unique_tokens_held_at` counts that once)."""
         return self.prompt_tokens + self.generated_by(at_seconds) if self.running_at(at_seconds) else 0
 
     def token_gaps_in(self, start_seconds: float, end_seconds: float) -> list[float]:
@@ -111,17 +136,71 @@ def outstanding_at(streams: Iterable[Stream], at_seconds: float) -> int:
     return sum(1 for stream in streams if stream.running_at(at_seconds))
 
 
+def contexts_held_at(streams: Iterable[Stream], at_seconds: float) -> int:
+    """The whole contexts of the requests running at `at_seconds`, each counted whole (a prefix several
+    share counted once for each): what the steps' attention reads, the daemon's tokens in flight."""
+    return sum(stream.tokens_held_at(at_seconds) for stream in streams)
+
+
+def unique_tokens_held_at(streams: Iterable[Stream], at_seconds: float) -> int:
+    """The tokens the running requests hold in the KV cache, a prefix several of them share counted once."""
+    total = 0
+    prefixes: dict[str, int] = {}
+    for stream in streams:
+        held = stream.tokens_held_at(at_seconds)
+        if held:
+            total += held - stream.shared_tokens
+            if stream.shared_tokens:
+                prefixes[stream.shared_prefix] = stream.shared_tokens
+    return total + sum(prefixes.values())
+
+
+def unique_blocks_held_at(streams: Iterable[Stream], at_seconds: float, block_tokens: int) -> int:
+    """The KV blocks of `block_tokens` the running requests hold: each ceil(context / block) of its own, less
+    the whole blocks of its shared prefix, which the cache holds once for all the requests sharing it (the
+    block where the prefix ends holds the request's own ids too, so it is the request's)."""
+    total = 0
+    shared_blocks: dict[str, int] = {}
+    for stream in streams:
+        held = stream.tokens_held_at(at_seconds)
+        if held:
+            full = stream.shared_tokens // block_tokens
+            total += -(-held // block_tokens) - full
+            if full:
+                shared_blocks[stream.shared_prefix] = full
+    return total + sum(shared_blocks.values())
+
+
+def prompt_tokens_first_returned_in(streams: Iterable[Stream], start_seconds: float, end_seconds: float) -> int:
+    """The prompt tokens of the requests whose first token arrived in (start, end]: the prompts the server
+    finished computing about then (it returns a request's first token from the step that ends its prompt)."""
+    return sum(stream.prompt_tokens for stream in streams
+               if (first := stream.first_token_at_seconds) is not None and start_seconds < first <= end_seconds)
+
+
 @dataclass(frozen=True)
 class Phase:
     """`concurrency` closed-loop clients, each sending requests of this shape back to back."""
 
     name: str
     concurrency: int
-    prompt_tokens: int
-    max_tokens: int
-    # Each request's lengths drawn uniformly within +-this share of the above: clients in lockstep would
-    # cross block boundaries together, which no real load does.
+    prompt_tokens: int  # the whole prompt, a shared prefix included
+    max_tokens: int  # 1: prefill-only requests, as a prefill/decode proxy sends them to the prefill side
+    # Each request's lengths drawn uniformly within +-this share of the above (of the prompt's own ids past
+    # a shared prefix): clients in lockstep would cross block boundaries together, which no real load does.
     spread_ratio: float = 0.0
+    # Every request's prompt begins with the same this many ids (a system prompt, drawn once per phase
+    # name), then its own random ids: prompt_tokens must exceed it.
+    shared_prefix_tokens: int = 0
+    # The output lengths' own spread, where it differs from the prompts' (None: spread_ratio).
+    output_spread_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shared_prefix_tokens < self.prompt_tokens:
+            raise ValueError(f"phase {self.name!r}: a shared prefix of {self.shared_prefix_tokens} tokens must be "
+                             f"shorter than the {self.prompt_tokens}-token prompt (each request has ids of its own)")
+        if self.max_tokens < 1 or self.concurrency < 1:
+            raise ValueError(f"phase {self.name!r}: concurrency and max_tokens must be at least 1")
 
 
 class LoadGenerator:
@@ -146,6 +225,7 @@ class LoadGenerator:
         self._streams: list[Stream] = []
         self._threads: list[threading.Thread] = []
         self._stops: dict[str, threading.Event] = {}
+        self._prefixes: dict[str, list[int]] = {}  # each phase's shared prefix, by phase name
 
     # --- ground truth -------------------------------------------------------------------------------
 
@@ -155,8 +235,17 @@ class LoadGenerator:
             return list(self._streams)
 
     def tokens_held_at(self, at_seconds: float) -> int:
-        """Tokens all running requests hold at `at_seconds` (prompt + generated so far)."""
-        return sum(stream.tokens_held_at(at_seconds) for stream in self.streams)
+        """The running requests' whole contexts at `at_seconds` (prompt + generated so far, each counted
+        whole: `contexts_held_at`)."""
+        return contexts_held_at(self.streams, at_seconds)
+
+    def unique_tokens_held_at(self, at_seconds: float) -> int:
+        """What the KV cache holds for the running requests, a shared prefix once (`unique_tokens_held_at`)."""
+        return unique_tokens_held_at(self.streams, at_seconds)
+
+    def unique_blocks_held_at(self, at_seconds: float, block_tokens: int) -> int:
+        """The KV blocks held for the running requests, a shared prefix's once (`unique_blocks_held_at`)."""
+        return unique_blocks_held_at(self.streams, at_seconds, block_tokens)
 
     def outstanding_at(self, at_seconds: float) -> int:
         """Requests sent and not finished at `at_seconds`: the server's running plus waiting."""
@@ -173,6 +262,7 @@ class LoadGenerator:
 
     def start(self, phase: Phase) -> None:
         """Starts `phase.concurrency` clients that loop until `stop(phase.name)`."""
+        self._prefix(phase)  # drawn before any client runs, so every one of them shares it
         stop = self._stops[phase.name] = threading.Event()  # a phase started again runs again
         for index in range(phase.concurrency):
             thread = threading.Thread(target=self._loop, args=(phase, stop), daemon=True,
@@ -199,10 +289,33 @@ class LoadGenerator:
         """One request in the calling thread (for calibration-style single streams)."""
         return self._request(prompt_tokens, max_tokens)
 
+    def warm_prefix(self, phase: Phase) -> Stream:
+        """One prefill-only request in the calling thread: the phase's shared prefix and one id of its own.
+        The engine then holds the prefix's whole blocks in its prefix cache, and the phase's requests
+        share them from their first step (started together on a cold cache, the requests admitted in the
+        step that computes the prefix would compute copies of their own). Kept with the other streams."""
+        if not phase.shared_prefix_tokens:
+            raise ValueError(f"phase {phase.name!r} has no shared prefix to warm")
+        return self._request(phase.shared_prefix_tokens + 1, 1, phase.name, self._prefix(phase))
+
+    def _prefix(self, phase: Phase) -> list[int]:
+        """The phase's shared prefix, drawn at its first use and the same ever after ([] without one)."""
+        if not phase.shared_prefix_tokens:
+            return []
+        with self._lock:
+            prefix = self._prefixes.get(phase.name)
+            if prefix is None or len(prefix) != phase.shared_prefix_tokens:
+                prefix = self._prefixes[phase.name] = [self._random.randrange(FIRST_TOKEN_ID, self._vocab_size)
+                                                       for _ in range(phase.shared_prefix_tokens)]
+        return prefix
+
     def _loop(self, phase: Phase, stop: threading.Event) -> None:
+        prefix = self._prefix(phase)
+        output_spread = phase.spread_ratio if phase.output_spread_ratio is None else phase.output_spread_ratio
         while not stop.is_set():
-            stream = self._request(self._spread(phase.prompt_tokens, phase.spread_ratio),
-                                   self._spread(phase.max_tokens, phase.spread_ratio))
+            own = self._spread(phase.prompt_tokens - len(prefix), phase.spread_ratio)
+            stream = self._request(len(prefix) + own, self._spread(phase.max_tokens, output_spread),
+                                   phase.name if prefix else "", prefix)
             if stream.error is not None:
                 stop.wait(1.0)  # a refused or broken request: back off instead of spinning
 
@@ -216,13 +329,17 @@ class LoadGenerator:
             unit = [self._random.randrange(FIRST_TOKEN_ID, self._vocab_size) for _ in range(drawn)]
         return [unit[i % len(unit)] for i in range(tokens)] if unit else []
 
-    def _request(self, prompt_tokens: int, max_tokens: int) -> Stream:
+    def _request(self, prompt_tokens: int, max_tokens: int, shared_prefix: str = "",
+                 prefix: Sequence[int] = ()) -> Stream:
+        """One streamed request whose prompt is `prefix` (shared, named `shared_prefix`) and then random ids
+        of its own, `prompt_tokens` in all."""
         body = json.dumps({
-            "model": self._model, "prompt": self._prompt(prompt_tokens), "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "model": self._model, "prompt": [*prefix, *self._prompt(prompt_tokens - len(prefix))],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         })
-        stream = Stream(prompt_tokens, max_tokens, self._clock())
+        stream = Stream(prompt_tokens, max_tokens, self._clock(), shared_prefix=shared_prefix,
+                        shared_prefix_tokens=len(prefix))
         with self._lock:
             self._streams.append(stream)
         connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_seconds)

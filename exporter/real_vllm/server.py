@@ -52,6 +52,9 @@ class VllmSettings:
     extra_args: tuple[str, ...] = ()
     # One core runs the model, the other the front end, by default on a 2-core machine.
     extra_env: tuple[tuple[str, str], ...] = ()
+    # The start's one warm-up request's output: 1 keeps a server prefill-only from its first request on
+    # (what a prefill/decode proxy sends its prefill side), so its page's lifetime counters say so too.
+    warm_up_max_tokens: int = 4
 
     @property
     def python(self) -> Path:
@@ -157,7 +160,8 @@ def _warm_up(server: VllmServer) -> None:
     than the rest to reach the engine (its input processing warms up), which would read as a queue."""
     from exporter.real_vllm.loadgen import LoadGenerator  # the load generator needs nothing of the server
 
-    stream = LoadGenerator(server.base_url, server.settings.served_model_name, vocab_size=server.vocab_size).one(16, 4)
+    stream = LoadGenerator(server.base_url, server.settings.served_model_name, vocab_size=server.vocab_size).one(
+        16, server.settings.warm_up_max_tokens)
     if stream.error is not None:
         raise VllmStartError(f"vLLM's first request failed: {stream.error}\n{server.log_tail()}")
 

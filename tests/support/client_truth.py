@@ -153,6 +153,7 @@ def recorded_run(path: Path) -> tuple[list[RecordedPoll], list[Stream]]:
         polls.append(RecordedPoll(poll["at_seconds"], poll["phase"], Reading(**recorded)))
     streams = [Stream(prompt_tokens=s["prompt_tokens"], max_tokens=s["max_tokens"],
                       sent_at_seconds=s["sent_at_seconds"], arrivals=[(at, total) for at, total in s["arrivals"]],
-                      finished_at_seconds=s["finished_at_seconds"], error=s["error"])
+                      finished_at_seconds=s["finished_at_seconds"], error=s["error"],
+                      shared_prefix=s.get("shared_prefix", ""), shared_prefix_tokens=s.get("shared_prefix_tokens", 0))
                for s in document["streams"]]
     return polls, streams
