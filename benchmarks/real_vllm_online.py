@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,12 +122,7 @@ def run(workdir: Path, host: dict[str, str]) -> list[dict[str, object]]:
                 "online_calibration": {"history": "1h", "holdout": f"{HOLDOUT_SECONDS:g}s", "min_windows": 12},
                 "targets": {"static": [server.metrics_url]}}],
         }
-        config_path = workdir / "stepbudget.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        log_path = workdir / "daemon.log"
-        with open(log_path, "wb") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_path)],
-                                      stdout=log, stderr=subprocess.STDOUT)
+        daemon, log_path = start_daemon(workdir, config)
         load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=11)
         try:
             wait_until_ready(f"http://127.0.0.1:{port}", daemon, log_path)
@@ -137,6 +133,17 @@ def run(workdir: Path, host: dict[str, str]) -> list[dict[str, object]]:
             stop_daemon(daemon)
     finally:
         server.stop()
+
+
+def start_daemon(workdir: Path, config: Mapping[str, object]) -> tuple[subprocess.Popen[bytes], Path]:
+    """The real `stepbudget serve` on this config, its output to a log in `workdir`: (process, log path)."""
+    config_path = workdir / "stepbudget.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = workdir / "daemon.log"
+    with open(log_path, "wb") as log:
+        daemon = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_path)],
+                                  stdout=log, stderr=subprocess.STDOUT)
+    return daemon, log_path
 
 
 def _drive(load: LoadGenerator, metrics_url: str) -> list[dict[str, object]]:
