@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from exporter.errors import InputError
+from exporter.redaction import has_userinfo, redact
 from exporter.suggest import close_names
 from exporter.units import (
     parse_bandwidth_bytes_per_second,
@@ -256,11 +257,24 @@ def choice(*choices: str) -> Parser:
     return parse
 
 
+# Why a URL with credentials is refused rather than taken apart (docs/operations.md, "Credentials"):
+# a password in the config is a password in a ConfigMap, in `helm get values` and in every diff.
+USERINFO_REFUSED = (
+    "the URL holds credentials (`user:password@` before the host), which would show wherever the URL "
+    "does (logs, the `target` label, alerts) and sit in the config file: give the URL without them, the "
+    "username as `basic_auth.username` and the password in a file (`basic_auth.password_file`, e.g. a "
+    "mounted Secret) or an environment variable (`basic_auth.password_env`), under the `auth` that "
+    "applies to this URL (the deployment's `auth`, `targets.prometheus.auth` or `alerting.auth`); "
+    "an `@` that belongs to the path is written %40")
+
+
 def url(value: Any, where: Where) -> str:
-    """An http:// or https:// URL; one trailing slash after a path is dropped."""
+    """An http:// or https:// URL without credentials in it; one trailing slash after a path is dropped."""
     text = string(value, where)
     if not text.startswith(("http://", "https://")):
-        raise Invalid(f"expected an http:// or https:// URL, got {value!r}")
+        raise Invalid(f"expected an http:// or https:// URL, got {redact(str(value))!r}")
+    if has_userinfo(text):
+        raise Invalid(f"{redact(text)}: {USERINFO_REFUSED}")
     return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
 
 

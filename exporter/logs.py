@@ -20,6 +20,8 @@ from typing import IO, Any
 import structlog
 from urllib3.exceptions import InsecureRequestWarning
 
+from exporter.redaction import redact_event
+
 _SHARED_PROCESSORS: list[structlog.types.Processor] = [
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
@@ -107,8 +109,10 @@ def configure_logging(log_format: str = "auto", *, level: int = logging.INFO, st
     )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=_SHARED_PROCESSORS,
+        # Credentials redacted last, tracebacks included (exporter/redaction.py): the sources redact what
+        # they log; this is the backstop for a URL that reaches a line some other way.
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, renderer],
+                    structlog.processors.format_exc_info, redact_event, renderer],
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
@@ -124,6 +128,9 @@ def configure_logging(log_format: str = "auto", *, level: int = logging.INFO, st
     for old_filter in [f for f in scheduler_log.filters if isinstance(f, EveryMinuteAtMost)]:
         scheduler_log.removeFilter(old_filter)
     scheduler_log.addFilter(EveryMinuteAtMost("maximum number of running instances reached"))
+    # uvicorn (the daemon's HTTP server) warns at every unreadable request and every 503 past the
+    # connection cap: a hostile client could fill the log with them. Its errors (a bug) still show.
+    logging.getLogger("uvicorn").setLevel(logging.ERROR)
     logging.getLogger("urllib3").setLevel(logging.WARNING)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)

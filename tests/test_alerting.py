@@ -26,6 +26,7 @@ from exporter.serve.alerting import (
     KV_CACHE_NEARLY_FULL_RATIO,
     PAGE_ALERT,
     PAGE_HOLD_SECONDS,
+    POD_CONDITIONS,
     PREEMPTION_WINDOW_SECONDS,
     PREFILL_INTERFERENCE_MIN_PREFILL_TOKENS_PER_STEP,
     PREFILL_OVER_CAPACITY_RATIO,
@@ -36,6 +37,7 @@ from exporter.serve.alerting import (
     post_alerts,
 )
 from exporter.serve.config import Alerting
+from exporter.serve.discovery import NotReadyPod
 from exporter.serve.reading import Reading
 from exporter.units import parse_duration_seconds
 from tests.support.alertmanager import Alertmanager
@@ -112,7 +114,8 @@ def test_the_loop_raises_every_alert_of_the_rules_file_as_written_there() -> Non
     # ExporterAbsent is Prometheus-only: a daemon cannot report its own absence.
     assert PROMETHEUS_ONLY == {"StepBudgetExporterAbsent"}
     assert [rule.name for rule in packaged_rules()] == [name for name in file_rules if name not in PROMETHEUS_ONLY]
-    assert {rule.name for rule in packaged_rules()} == set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS)
+    assert {rule.name for rule in packaged_rules()} == \
+        set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS) | set(POD_CONDITIONS)
     for rule in packaged_rules():
         source = file_rules[rule.name]
         assert dict(rule.labels) == source["labels"] and rule.severity == source["labels"]["severity"], rule.name
@@ -507,3 +510,28 @@ def test_active_view_shows_pending_then_firing_without_any_alertmanager(clock: M
     clock.advance(15)
     alerts.evaluate([reading()], clock())
     assert alerts.active() == [] and recorder.posts == []
+
+
+def test_a_pod_not_ready_past_its_allowance_as_promtool_sees_it(clock: ManualClock) -> None:
+    """tests/rules/stepbudget.alerts_test.yaml's case, minute by minute from the epoch: vllm-2 not Ready
+    since 60 s with a 900 s allowance (pending at 17m with 960 s, firing at 18m with 1,020 s, the
+    description's 17m 0s); vllm-9 of `long` (1,800 s) never within 30m; exactly at the allowance, nothing."""
+    clock.now = 0.0
+    recorder = Recorder()
+    alerts = loop(clock, recorder)
+    pods = [NotReadyPod("chat", "llm", "vllm-2", "u2", 60.0, 900.0, "Running"),
+            NotReadyPod("long", "llm", "vllm-9", "u9", 60.0, 1800.0, "Running")]
+    states = {}
+    for minute in range(1, 31):
+        clock.now = 60.0 * minute
+        alerts.evaluate([], clock.now, not_ready=pods)
+        states[minute] = {(a["labels"]["pod"], a["state"], a["value"]) for a in alerts.active()}
+    assert states[16] == set()  # 960 - 60 = 900: at the allowance, not over it
+    assert states[17] == {("vllm-2", "pending", "960.0")}
+    assert states[18] == {("vllm-2", "firing", "1020.0")}
+    assert states[30] == {("vllm-2", "firing", "1740.0")}
+    _, [posted], _ = recorder.posts[0]  # the first post, at 18m (then re-posted every 60 s)
+    assert posted["labels"] == {"alertname": "StepBudgetTargetNotReady", "severity": "warning",
+                                "deployment": "chat", "namespace": "llm", "pod": "vllm-2"}
+    assert posted["annotations"]["description"].startswith(
+        "Pod llm/vllm-2 (deployment chat) has not been Ready for 17m 0s, longer than")

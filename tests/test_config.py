@@ -18,7 +18,10 @@ from exporter import cli
 from exporter.config_validators import string
 from exporter.serve.config import (
     DEFAULT_MAX_RESPONSE_BYTES,
+    Alerting,
+    Auth,
     ConfigError,
+    CredentialError,
     Key,
     Section,
     config_from_mapping,
@@ -153,6 +156,74 @@ def test_kubernetes_dns_auth_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert "deployments[0].auth: give at most one of" in both
     missing = error_of(tmp_path, MINIMAL + "        auth: {bearer_token_file: /nonexistent/token}\n")
     assert "deployments[0].auth.bearer_token_file: file '/nonexistent/token' does not exist" in missing
+
+
+def test_basic_auth_client_certificates_and_alertmanager_credentials(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """basic_auth for targets, the query API and Alertmanager; the password read at each use, from a file
+    or the environment; a client certificate with its key; what each refusal says."""
+    password = tmp_path / "password"
+    password.write_text("hunter2\n")
+    cert, key = tmp_path / "client.crt", tmp_path / "client.key"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    config = load_config(str(write(tmp_path, f"""\
+        deployments:
+          - name: chat
+            model: qwen3-8b
+            gpu: h100-sxm
+            targets: {{static: [https://10.0.0.9/metrics]}}
+            auth: {{basic_auth: {{username: scraper, password_file: {password}}}}}
+            tls: {{cert_file: {cert}, key_file: {key}}}
+          - name: mimir
+            model: qwen3-8b
+            gpu: h100-sxm
+            targets:
+              prometheus:
+                url: https://mimir/prometheus
+                selector: job="vllm"
+                auth: {{basic_auth: {{username: reader, password_env: PROM_PASSWORD}}}}
+                tls: {{cert_file: {cert}}}
+        alerting:
+          alertmanager_urls: [https://am:9093]
+          auth: {{bearer_token_env: AM_TOKEN}}
+          tls: {{ca_file: {cert}}}
+    """)))
+    chat, mimir = config.deployments
+    # RFC 7617: base64 of "scraper:hunter2" (the file's newline dropped).
+    assert chat.auth.authorization() == "Basic c2NyYXBlcjpodW50ZXIy"
+    password.write_text("rotated")
+    assert chat.auth.authorization() == "Basic c2NyYXBlcjpyb3RhdGVk"  # base64 of "scraper:rotated"
+    assert chat.tls.client_cert == (str(cert), str(key))
+    assert mimir.prometheus is not None and mimir.prometheus.tls.client_cert == str(cert)
+    with pytest.raises(CredentialError, match=r"^basic_auth.password_env: environment variable PROM_PASSWORD is "
+                                              r"not set$"):
+        mimir.prometheus.auth.authorization()
+    monkeypatch.setenv("PROM_PASSWORD", "s3cret")
+    assert mimir.prometheus.auth.authorization() == "Basic cmVhZGVyOnMzY3JldA=="  # base64 of "reader:s3cret"
+    monkeypatch.setenv("AM_TOKEN", "am-token")
+    assert config.alerting.auth.authorization() == "Bearer am-token"
+    assert config.alerting.tls.ca_file == str(cert) and Alerting().auth == Auth()
+    password.unlink()
+    with pytest.raises(CredentialError, match=r"password_file .*: cannot be read: No such file or directory"):
+        chat.auth.authorization()
+
+    refused = {
+        "        auth: {basic_auth: {username: u}}\n": "deployments[0].auth.basic_auth: give the password in one of",
+        f"        auth: {{basic_auth: {{username: u, password_env: P, password_file: {cert}}}}}\n":
+            "deployments[0].auth.basic_auth: give one of password_file, password_env, not both",
+        "        auth: {basic_auth: {username: u, password_env: P}, bearer_token_env: T}\n":
+            "deployments[0].auth: give at most one of bearer_token_file, bearer_token_env, basic_auth",
+        f"        tls: {{key_file: {key}}}\n": "deployments[0].tls: key_file is the private key of a client "
+                                             "certificate: give cert_file too",
+    }
+    for extra, message in refused.items():
+        assert message in error_of(tmp_path, MINIMAL + extra)
+    twins = MINIMAL.replace("static: [http://10.0.0.5:8000/metrics]",
+                            "static: ['http://10.0.0.5:8000/metrics?token=a', 'http://10.0.0.5:8000/metrics?token=b']")
+    assert twins != MINIMAL
+    assert ("two static URLs differ only in a credential's value (http://10.0.0.5:8000/metrics?token=<redacted>)"
+            in error_of(tmp_path, twins))
 
 
 def test_calibration_and_bandwidth_sources(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ def test_an_unmapped_parser_fails_loudly() -> None:
         parser_schema(_new_kind_of_value)
 
 
+THIS_FILE = str(Path(__file__).resolve())  # a file that exists, for the keys that name one
 # NVIDIA A10 by its datasheet numbers.
 A10 = {"name": "a10", "memory": "24GB", "peak_bandwidth": "600GB/s", "peak_flops": "125TFLOP/s"}
 
@@ -108,6 +109,27 @@ DOCUMENTS = [
     ({"deployments": [_deployment(gpu={**A10, "peak_flops": "125TB/s"})]}, False),
     ({"deployments": [_deployment(gpu={**A10, "peak_flop": "125e12"})]}, False),
     ({"deployments": [_deployment(gpu=["a10"])]}, False),
+    # Credentials: basic auth with its password in exactly one place, a client key only with its certificate,
+    # and never `user:password@` in a URL.
+    ({"deployments": [_deployment(auth={"basic_auth": {"username": "u", "password_env": "P"}})]}, True),
+    ({"deployments": [_deployment(auth={"basic_auth": {"username": "u", "password_file": THIS_FILE},
+                                        "bearer_token_env": None})]}, True),
+    ({"alerting": {"alertmanager_urls": ["https://am:9093"],
+                   "auth": {"basic_auth": {"username": "u", "password_env": "P"}},
+                   "tls": {"cert_file": THIS_FILE, "key_file": THIS_FILE}},
+      "deployments": [_deployment(targets={"prometheus": {"url": "https://mimir/prometheus", "selector": 'job="v"',
+                                                          "auth": {"bearer_token_env": "T"},
+                                                          "tls": {"cert_file": THIS_FILE}}})]}, True),
+    ({"deployments": [_deployment(targets={"static": ["http://10.0.0.5:8000/metrics?token=x"]})]}, True),
+    ({"deployments": [_deployment(auth={"basic_auth": {"username": "u"}})]}, False),
+    ({"deployments": [_deployment(auth={"basic_auth": {"password_env": "P"}})]}, False),
+    ({"deployments": [_deployment(auth={"basic_auth": {"username": "u", "password_env": "P",
+                                                       "password_file": THIS_FILE}})]}, False),
+    ({"deployments": [_deployment(auth={"basic_auth": {"username": "u", "password_env": "P"},
+                                        "bearer_token_env": "T"})]}, False),
+    ({"deployments": [_deployment(tls={"key_file": THIS_FILE})]}, False),
+    ({"deployments": [_deployment(targets={"static": ["http://u:p@10.0.0.5:8000/metrics"]})]}, False),
+    ({"alerting": {"alertmanager_urls": "http://am:s3cret@am:9093"}, "deployments": [_deployment()]}, False),
 ]
 
 

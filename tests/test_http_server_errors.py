@@ -1,12 +1,15 @@
 """The daemon's and the simulator's HTTP servers log a failed request as one structured line, never as a
 traceback on stderr. Real servers on 127.0.0.1 and a real client: after one keep-alive request the client
 closes with SO_LINGER 0, so the kernel sends a reset and the server's wait for the next request line
-raises ConnectionResetError (Prometheus dropping its scrape connection looks the same to the server)."""
+raises ConnectionResetError (Prometheus dropping its scrape connection looks the same to the server).
+The simulator's (http.server) logs that as one debug line; the daemon's (uvicorn on asyncio) takes a reset
+as the connection's end, with no line at all."""
 
 from __future__ import annotations
 
 import http.client
 import http.server
+import logging
 import socket
 import struct
 import time
@@ -62,7 +65,18 @@ def _lines_when(logs: list[dict[str, Any]], event: str, timeout_seconds: float =
     return []
 
 
-@pytest.mark.parametrize("serving", [_daemon_server, _simulator_server], ids=["daemon", "simulator"])
+def test_a_client_that_resets_its_connection_leaves_the_daemon_silent_and_serving(
+        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    with capture_logs() as logs, _daemon_server() as port:
+        _one_request_then_reset(port)
+        _one_request_then_reset(port)  # the first reset has been taken: a second connection is served
+    assert logs == []
+    assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "Exception" not in captured.err
+
+
+@pytest.mark.parametrize("serving", [_simulator_server], ids=["simulator"])
 def test_a_client_that_resets_its_connection_is_one_debug_line(
         serving: Callable[[], AbstractContextManager[int]], capsys: pytest.CaptureFixture[str]) -> None:
     with capture_logs() as logs, serving() as port:

@@ -175,6 +175,81 @@ def test_tls_verifies_with_the_ca_file_and_skips_only_when_told(tmp_path, page_s
     assert not [w for w in python_warnings if "Unverified HTTPS request" in str(w.message)]
 
 
+def test_basic_auth_goes_with_every_poll_and_stays_on_its_host(tmp_path, page_server: PageServer, clock: ManualClock,
+                                                               make_poller: MakePoller) -> None:
+    """A deployment's basic_auth: the password file read at each poll (a rotated Secret works), the header
+    sent to the target and across its own redirects, never to another host; a password that cannot be
+    read fails the target with a reason naming the key, not the value."""
+    other = PageServer(host="127.0.0.2")
+    try:
+        other.serve_text(busy_page())
+
+        def redirect(handler: BaseHTTPRequestHandler) -> None:
+            handler.send_response(307)
+            handler.send_header("Location", other.url if handler.path == "/away" else "/metrics/")
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+
+        page_server.respond = lambda handler: (send_text(handler, busy_page()) if handler.path.endswith("/")
+                                               else redirect(handler))
+        password = tmp_path / "password"
+        password.write_text("hunter2\n")
+        config = config_from_mapping({
+            "poll_interval": "15s", "stale_after": "60s", "timeout": "2s",
+            "deployments": [{"name": "chat", "model": "qwen3-8b", "gpu": "h100-sxm",
+                             "auth": {"basic_auth": {"username": "scraper", "password_file": str(password)}},
+                             "targets": {"static": [page_server.url, page_server.url.replace("/metrics", "/away")]}}],
+        })
+        poller = make_poller(config, clock)
+        assert all(reading.target_up for reading in poller.poll_once().readings)
+        password.write_text("rotated")
+        clock.advance(15)
+        poller.poll_once()
+        password.unlink()
+        clock.advance(15)
+        with capture_logs() as logs:
+            readings = poller.poll_once().readings
+    finally:
+        other.close()
+    # base64 of "scraper:hunter2" and of "scraper:rotated" (RFC 7617)
+    sent = sorted(request["authorization"] for request in page_server.requests)
+    assert sent == ["Basic c2NyYXBlcjpodW50ZXIy"] * 3 + ["Basic c2NyYXBlcjpyb3RhdGVk"] * 3
+    assert len(other.requests) == 2 and not any("authorization" in request for request in other.requests)
+    assert not any(reading.target_up for reading in readings)
+    reasons = {line["reason"] for line in logs if line["event"] == "target_down"}
+    assert reasons == {f"basic_auth.password_file {password}: cannot be read: No such file or directory"}
+
+
+def test_mutual_tls_presents_the_client_certificate(tmp_path, page_server: PageServer) -> None:
+    """A TLS server that requires a client certificate: refused without `cert_file`, read with it."""
+    import ssl
+    import subprocess
+
+    openssl = require_tool("openssl")
+    server_cert, server_key = tmp_path / "server.pem", tmp_path / "server.key"
+    client_cert, client_key = tmp_path / "client.pem", tmp_path / "client.key"
+    for cert, key, subject in ((server_cert, server_key, "/CN=127.0.0.1"), (client_cert, client_key, "/CN=stepbudget")):
+        subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                        str(cert), "-days", "1", "-subj", subject, "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(server_cert, server_key)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(client_cert)
+    page_server.wrap_tls(context)
+    page_server.serve_text("x 1\n")
+    url = page_server.url.replace("http://", "https://")
+    fetcher = HttpFetcher(2.0, 1000)
+    try:
+        with pytest.raises(FetchError):
+            fetcher(url, bearer_token=None, tls=Tls(ca_file=str(server_cert)))
+        mutual = Tls(ca_file=str(server_cert), cert_file=str(client_cert), key_file=str(client_key))
+        assert fetcher(url, bearer_token=None, tls=mutual) == "x 1\n"
+    finally:
+        fetcher.close()
+    assert len(page_server.requests) == 1
+
+
 # --- fetch level, real servers -------------------------------------------------------------------------
 
 

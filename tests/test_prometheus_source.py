@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from exporter.serve.config import Config, ConfigError, config_from_mapping
 from exporter.serve.discovery import Discovery
@@ -244,6 +245,24 @@ def test_bearer_token_is_sent_to_the_query_api(api: QueryApi, clock: ManualClock
     poller, _ = poller_for(config(api.url, auth={"bearer_token_env": "PROM_TOKEN"}), clock)
     poller.poll_once()
     assert api.requests[0][1]["authorization"] == "Bearer s3cret"
+
+
+def test_basic_auth_is_sent_to_the_query_api(api: QueryApi, clock: ManualClock,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROM_PASSWORD", "s3cret")
+    api.serve(success(scraped(vllm_page(busy(100, 16.0)), "10.0.0.5:8000")))
+    auth = {"basic_auth": {"username": "reader", "password_env": "PROM_PASSWORD"}}
+    poller, _ = poller_for(config(api.url, auth=auth), clock)
+    [reading] = poller.poll_once().readings
+    assert reading.target_up
+    assert api.requests[0][1]["authorization"] == "Basic cmVhZGVyOnMzY3JldA=="  # base64 of "reader:s3cret"
+    monkeypatch.delenv("PROM_PASSWORD")
+    clock.advance(1)
+    with capture_logs() as logs:
+        [reading] = poller.poll_once().readings
+    assert not reading.target_up and len(api.requests) == 1  # no query without the password
+    [line] = [line for line in logs if line["event"] == "target_down"]
+    assert line["reason"] == ("prometheus basic_auth.password_env: environment variable PROM_PASSWORD is not set")
 
 
 # --- staleness follows the scrape interval ------------------------------------------------------

@@ -40,6 +40,7 @@ DESIGN_ALERTS = {
     "StepBudgetPreemptions",
     "StepBudgetTargetDown",
     "StepBudgetNoTargets",
+    "StepBudgetTargetNotReady",  # issue 35: a Kubernetes pod not Ready past its startup allowance
     "StepBudgetExporterAbsent",
 }
 # Request counts say nothing about step time; no alert may read them.
@@ -219,6 +220,8 @@ THRESHOLD_MUTATIONS = [
     ("StepBudgetExporterAbsent", "up == 0", "up <= 1"),
     ("StepBudgetNoTargets", "== 0", "<= 1"),
     ("StepBudgetNoTargets", "max without", "min without"),
+    # A pod exactly at its allowance is not over it.
+    ("StepBudgetTargetNotReady", "> on (deployment)", ">= on (deployment)"),
 ]
 
 

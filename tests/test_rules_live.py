@@ -40,12 +40,16 @@ TARGETS = {
     "b": {"stepbudget_predicted_step_seconds": 0.0078125, "stepbudget_tokens_in_flight": 32768},
 }
 COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1,
-          "stepbudget_kv_cache_usage_ratio": 0.25, "stepbudget_engine_sleeping": 0,
-          "stepbudget_measured_step_seconds": 0.015625, "stepbudget_prediction_error_ratio": 0.0}
+          "stepbudget_target_mixed_processes": 0, "stepbudget_kv_cache_usage_ratio": 0.25,
+          "stepbudget_engine_sleeping": 0, "stepbudget_measured_step_seconds": 0.015625,
+          "stepbudget_prediction_error_ratio": 0.0}
 PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info",
                   "stepbudget_deployment_targets"}
 NOT_PER_TARGET = PER_DEPLOYMENT | {"stepbudget_build_info", "stepbudget_admission_decisions_total",
-                                   "stepbudget_admitted_tokens"}
+                                   "stepbudget_admitted_tokens",
+                                   # per Kubernetes pod not Ready / per deployment (issue 35)
+                                   "stepbudget_target_not_ready_since_timestamp_seconds",
+                                   "stepbudget_target_startup_allowance_seconds"}
 # Labels a per-target family carries beyond the target's.
 EXTRA_LABELS = {"stepbudget_effective_bandwidth_bytes_per_second": ',source="default"',
                 "stepbudget_target_role_info": ',role="both"'}

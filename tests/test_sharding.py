@@ -18,7 +18,7 @@ import yaml
 from exporter.errors import InputError
 from exporter.serve import sharding
 from exporter.serve.config import ConfigError, load_config
-from exporter.serve.discovery import Target, target_label
+from exporter.serve.discovery import NotReadyPod, Target, target_label
 from exporter.serve.sharding import Shard, ShardedDiscovery, keep_targets, parse_shard, shard_of
 from tests.support.configs import MINIMAL, write
 from tests.support.tools import REPO, require_tool
@@ -180,6 +180,19 @@ def test_sharded_discovery_follows_the_discovered_list() -> None:
     assert [t.url for t in first] == [t.url for t in targets[:30] if shard_of(t.url, 2) == 0]
     source.targets = targets
     assert [t.url for t in discovery.discover()] == [t.url for t in targets if shard_of(t.url, 2) == 0]
+
+
+def test_each_pod_not_ready_is_reported_by_exactly_one_shard() -> None:
+    """Not-Ready pods (StepBudgetTargetNotReady's evidence) are split by namespace/pod like targets by URL:
+    every one on exactly one shard, so the shards' in-process loops raise it once."""
+    source = _ListDiscovery([])
+    pods = [NotReadyPod("chat", "llm", f"vllm-{i}", f"u{i}", 1.8e9, 900.0, "Running") for i in range(40)]
+    source.not_ready = lambda: list(pods)  # type: ignore[attr-defined]  # the real Discovery's method, faked
+    shares = [ShardedDiscovery(source, Shard(index, 3)).not_ready() for index in range(3)]
+    assert sorted(pod.pod for share in shares for pod in share) == sorted(pod.pod for pod in pods)
+    assert all(shard_of(f"llm/{pod.pod}", 3) == index for index, share in enumerate(shares) for pod in share)
+    assert ShardedDiscovery(source, Shard(0, 1)).not_ready() == pods
+    assert ShardedDiscovery(_ListDiscovery([]), Shard(0, 2)).not_ready() == []  # a discovery without any
 
 
 def test_daemon_with_shard_flag_polls_only_its_shard() -> None:

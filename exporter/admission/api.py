@@ -72,11 +72,19 @@ class AdmissionApi:
     def release(self, headers: Mapping[str, str], body: bytes) -> ApiResponse:
         return self._guarded(headers, body, self._release)
 
+    def refusal(self, headers: Mapping[str, str]) -> ApiResponse | None:
+        """None when the headers carry the bearer token, else the 401 to answer: an HTTP server calls
+        this on the headers alone, before it reads any byte of the body."""
+        if self._authorized(headers):
+            return None
+        return ApiResponse(401, {"error": "missing or invalid bearer token (Authorization: Bearer <token>)"},
+                           (("WWW-Authenticate", 'Bearer realm="stepbudget admission"'),))
+
     def _guarded(self, headers: Mapping[str, str], body: bytes,
                  handler: Callable[[Mapping[str, Any]], ApiResponse]) -> ApiResponse:
-        if not self._authorized(headers):
-            return ApiResponse(401, {"error": "missing or invalid bearer token (Authorization: Bearer <token>)"},
-                               (("WWW-Authenticate", 'Bearer realm="stepbudget admission"'),))
+        refused = self.refusal(headers)
+        if refused is not None:
+            return refused
         try:
             return handler(parse_json_object(body))
         except InputError as error:

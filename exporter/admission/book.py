@@ -3,7 +3,6 @@ daemon's readings turned into one measurement per target (the accounting rule: s
 
 from __future__ import annotations
 
-import heapq
 import math
 import secrets
 import threading
@@ -26,6 +25,12 @@ DEFAULT_LEASE_FLOOR_SECONDS = 120.0
 DEFAULT_LEASE_OUTPUT_FACTOR = 4.0
 DEFAULT_POLL_INTERVAL_SECONDS = 15.0
 MIN_RETRY_AFTER_SECONDS = 1
+# The most admissions the book holds open at once, over every deployment. Each costs ~440 B (the
+# Admission, its id, its entries in three dicts and in the lease heap; tracemalloc over 20,000), so the
+# book stays under ~45 MB whatever gateways do; past it an admission is refused ("the book is full") with a
+# Retry-After, as when no target has the tokens. Token budgets keep real books far below it: each open
+# admission holds its whole context against one target's budget.
+DEFAULT_MAX_OPEN_ADMISSIONS = 100_000
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,91 @@ class _Target:
     eligible: bool = True
 
 
+class LeaseHeap:
+    """The open admissions' lease ends, earliest first, with removal by id: a released admission leaves
+    at once (a heap that skipped released entries only when they came up held each one for its whole
+    lease: at 100 admissions/s and 131,072-token leases of 26,334 s, 404 MiB).
+
+    A binary min-heap of (expires_at, id) and each id's position in it, kept in step by every move."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+        self._positions: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, expires_at_seconds: float, admission_id: str) -> None:
+        if admission_id in self._positions:
+            raise ValueError(f"lease {admission_id!r} is already in the heap")
+        self._heap.append((expires_at_seconds, admission_id))
+        self._positions[admission_id] = len(self._heap) - 1
+        self._up(len(self._heap) - 1)
+
+    def remove(self, admission_id: str) -> bool:
+        """Take the id's lease out; False when it is not in the heap."""
+        index = self._positions.pop(admission_id, None)
+        if index is None:
+            return False
+        last = self._heap.pop()
+        if index < len(self._heap):  # the removed entry was not the last: the last one fills its place
+            self._heap[index] = last
+            self._positions[last[1]] = index
+            self._up(index)
+            self._down(self._positions[last[1]])
+        return True
+
+    def pop_due(self, now_seconds: float) -> list[str]:
+        """The ids whose lease ends at or before `now_seconds`, taken out, earliest first."""
+        due = []
+        while self._heap and self._heap[0][0] <= now_seconds:
+            admission_id = self._heap[0][1]
+            self.remove(admission_id)
+            due.append(admission_id)
+        return due
+
+    def _up(self, index: int) -> None:
+        heap, positions = self._heap, self._positions
+        entry = heap[index]
+        while index > 0:
+            parent = (index - 1) // 2
+            if heap[parent] <= entry:
+                break
+            heap[index] = heap[parent]
+            positions[heap[index][1]] = index
+            index = parent
+        heap[index] = entry
+        positions[entry[1]] = index
+
+    def _down(self, index: int) -> None:
+        heap, positions = self._heap, self._positions
+        size = len(heap)
+        entry = heap[index]
+        while True:
+            child = 2 * index + 1
+            if child >= size:
+                break
+            if child + 1 < size and heap[child + 1] < heap[child]:
+                child += 1
+            if entry <= heap[child]:
+                break
+            heap[index] = heap[child]
+            positions[heap[index][1]] = index
+            index = child
+        heap[index] = entry
+        positions[entry[1]] = index
+
+
+@dataclass(frozen=True)
+class BookSizes:
+    """How many entries each of the book's structures holds (exported, so their bounds can be watched)."""
+
+    open_admissions: int  # the id index; equal to the lease heap's and the per-target dicts' sums
+    leases: int
+    targets: int
+    max_open_admissions: int
+
+
 @dataclass(frozen=True)
 class DeploymentPolicy:
     """What the book needs to know about a deployment to set leases."""
@@ -150,7 +240,10 @@ class AdmissionBook:
         lease_floor_seconds: float = DEFAULT_LEASE_FLOOR_SECONDS,
         lease_output_factor: float = DEFAULT_LEASE_OUTPUT_FACTOR,
         new_id: Callable[[], str] = lambda: secrets.token_hex(12),
+        max_open_admissions: int = DEFAULT_MAX_OPEN_ADMISSIONS,
     ) -> None:
+        if max_open_admissions < 1:
+            raise InputError(f"max_open_admissions must be at least 1, got {max_open_admissions}")
         self._policies: dict[str, DeploymentPolicy] = {policy.name: policy for policy in deployments}
         if pools is not None:
             for name in (pools.short_deployment, pools.long_deployment):
@@ -163,11 +256,11 @@ class AdmissionBook:
         self._lease_floor_seconds = lease_floor_seconds
         self._lease_output_factor = lease_output_factor
         self._new_id = new_id
+        self.max_open_admissions = max_open_admissions
         self._lock = threading.Lock()
         self._targets: dict[tuple[str, str], _Target] = {}
         self._by_id: dict[str, _Target] = {}
-        # (expires_at, id) of every admission; released ones are skipped when they come up.
-        self._leases: list[tuple[float, str]] = []
+        self._leases = LeaseHeap()  # every open admission's lease end, and nothing else
         self._decisions: dict[tuple[str, str], int] = {
             (name, decision): 0 for name in self._policies for decision in DECISIONS
         }
@@ -236,6 +329,7 @@ class AdmissionBook:
                 self._version += 1
                 for admission_id in state.admissions:
                     self._by_id.pop(admission_id, None)
+                    self._leases.remove(admission_id)
 
     def targets(self) -> list[TargetAccount]:
         with self._lock:
@@ -248,6 +342,21 @@ class AdmissionBook:
         with self._lock:
             self._expire(self._clock())
             return self._version
+
+    def sizes(self) -> BookSizes:
+        """Entries in each structure now (leases that ran out dropped first)."""
+        with self._lock:
+            self._expire(self._clock())
+            return BookSizes(len(self._by_id), len(self._leases), len(self._targets), self.max_open_admissions)
+
+    def open_admissions(self) -> dict[str, int]:
+        """Open admissions per deployment (every configured deployment, 0 included)."""
+        with self._lock:
+            self._expire(self._clock())
+            counts = dict.fromkeys(self._policies, 0)
+            for state in self._targets.values():
+                counts[state.deployment] += len(state.admissions)
+            return counts
 
     def decision_counts(self) -> dict[tuple[str, str], int]:
         with self._lock:
@@ -279,6 +388,13 @@ class AdmissionBook:
                 ))
             best = max(candidates, key=lambda state: state.budget_tokens - self._accounted(state))
             left = best.budget_tokens - self._accounted(best)
+            if context <= left and len(self._by_id) >= self.max_open_admissions:
+                return self._count(Decision(
+                    "refused", deployment, pool, context, long_context_pool=long_pool, tokens_left=left,
+                    retry_after_seconds=self._retry_after(now),
+                    reason=(f"the admission book is full: {len(self._by_id):,} admissions are open, its maximum "
+                            "(release admissions when their requests finish)"),
+                ))
             if context <= left:
                 admission = self._open(best, request, now)
                 return self._count(Decision(
@@ -366,12 +482,14 @@ class AdmissionBook:
         state.admissions[admission_id] = admission
         state.open_tokens += admission.tokens
         self._by_id[admission_id] = state
-        heapq.heappush(self._leases, (admission.expires_at_seconds, admission_id))
+        self._leases.push(admission.expires_at_seconds, admission_id)
         self._version += 1
         return admission
 
     def _close(self, state: _Target, admission_id: str) -> Admission:
+        """Take an admission out of every structure: the id index, its target's, the lease heap."""
         del self._by_id[admission_id]
+        self._leases.remove(admission_id)
         admission = state.admissions.pop(admission_id)
         state.open_tokens -= admission.tokens
         self._version += 1
@@ -379,12 +497,9 @@ class AdmissionBook:
 
     def _expire(self, now: float) -> None:
         """Drop admissions whose lease ran out: O(log n) each, nothing when none is due."""
-        while self._leases and self._leases[0][0] <= now:
-            _, admission_id = heapq.heappop(self._leases)
-            state = self._by_id.get(admission_id)
-            if state is not None:  # else released before its lease ran out
-                self._close(state, admission_id)
-                self.expired_total += 1
+        for admission_id in self._leases.pop_due(now):
+            self._close(self._by_id[admission_id], admission_id)
+            self.expired_total += 1
 
     def _retry_after(self, now: float) -> int:
         """Budget frees at a release (any moment) or at the next poll, whichever comes first;

@@ -25,6 +25,12 @@ class AdmissionCollector(Collector):
     # HELP stepbudget_admitted_tokens Tokens the admission budget counts on the target ...
     # TYPE stepbudget_admitted_tokens gauge
     stepbudget_admitted_tokens{deployment="chat",target="10.0.0.5:8000"} 81234.0
+    # HELP stepbudget_admission_open_admissions Admissions open now ...
+    # TYPE stepbudget_admission_open_admissions gauge
+    stepbudget_admission_open_admissions{deployment="chat"} 12.0
+    # HELP stepbudget_admission_max_open_admissions The most admissions the book holds open ...
+    # TYPE stepbudget_admission_max_open_admissions gauge
+    stepbudget_admission_max_open_admissions 100000.0
     """
 
     def __init__(self, book: AdmissionBook) -> None:
@@ -57,3 +63,16 @@ class AdmissionCollector(Collector):
         for account in sorted(self._book.targets(), key=lambda a: (a.deployment, a.target)):
             accounted.add_metric([account.deployment, account.target], account.accounted_tokens)
         yield accounted
+        open_now = GaugeMetricFamily(
+            "stepbudget_admission_open_admissions",
+            "Admissions open now (admitted, neither released nor past their lease), per deployment: the "
+            "admission book's size; a release or a lease's end takes one out at once",
+            labels=["deployment"])
+        for deployment, count in sorted(self._book.open_admissions().items()):
+            open_now.add_metric([deployment], count)
+        yield open_now
+        yield GaugeMetricFamily(
+            "stepbudget_admission_max_open_admissions",
+            "The most admissions the book holds open at once, over every deployment; past it admissions "
+            "are refused (reason: the admission book is full)",
+            value=self._book.max_open_admissions)

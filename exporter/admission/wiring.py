@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from exporter.admission.api import AdmissionApi, ApiResponse, read_token_file
+from exporter.admission.api import MAX_BODY_BYTES, AdmissionApi, ApiResponse, read_token_file
 from exporter.admission.book import (
     AdmissionBook,
     DeploymentPolicy,
@@ -15,7 +15,7 @@ from exporter.admission.book import (
 )
 from exporter.admission.metrics import AdmissionCollector
 from exporter.admission.sections import pools_from_config
-from exporter.serve.server import Handler, Request, Response
+from exporter.serve.server import Handler, Request, Response, StepBudgetServer
 
 if TYPE_CHECKING:
     from exporter.serve.config import Config
@@ -64,15 +64,28 @@ def install(daemon: Daemon) -> AdmissionApi | None:
     if api is None:
         return None
 
-    def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Handler:
-        def handle(request: Request) -> Response:
-            answer = handler(request.headers, request.body)
-            return Response(answer.status, answer.encoded(), "application/json", dict(answer.headers))
-
-        return handle
-
-    daemon.server.register_route("POST", "/v1/admission", route(api.admission))
-    daemon.server.register_route("POST", "/v1/release", route(api.release))
+    serve_api(daemon.server, api)
     sync_at_every_poll(api.book, daemon.poller)
     daemon.server.registry.register(AdmissionCollector(api.book))
     return api
+
+
+def serve_api(server: StepBudgetServer, api: AdmissionApi) -> None:
+    """POST /v1/admission and /v1/release on the server. The token is checked on the headers, before
+    the body is read; a body over the API's limit is refused (413) from its declared length, unread."""
+
+    def response(answer: ApiResponse) -> Response:
+        return Response(answer.status, answer.encoded(), "application/json", dict(answer.headers))
+
+    def route(handler: Callable[[Mapping[str, str], bytes], ApiResponse]) -> Handler:
+        def handle(request: Request) -> Response:
+            return response(handler(request.headers, request.body))
+
+        return handle
+
+    def authorize(headers: Mapping[str, str]) -> Response | None:
+        refused = api.refusal(headers)
+        return None if refused is None else response(refused)
+
+    for path, handler in (("/v1/admission", api.admission), ("/v1/release", api.release)):
+        server.register_route("POST", path, route(handler), authorize=authorize, max_body_bytes=MAX_BODY_BYTES)

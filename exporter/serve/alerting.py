@@ -43,8 +43,11 @@ import requests
 import structlog
 
 from exporter.errors import InputError
+from exporter.logs import say_tls_verification_is_off
+from exporter.redaction import redact
 from exporter.serve.alert_rules import AlertRule, load_alert_rules
-from exporter.serve.config import DRIFT_ALERT, Alerting
+from exporter.serve.config import DRIFT_ALERT, Alerting, Auth, Tls
+from exporter.serve.discovery import NotReadyPod
 from exporter.serve.reading import Reading
 
 if TYPE_CHECKING:
@@ -186,6 +189,18 @@ def _no_targets(count: int) -> float | None:
 
 
 DEPLOYMENT_CONDITIONS: dict[str, DeploymentCondition] = {"StepBudgetNoTargets": _no_targets}
+# Per Kubernetes pod not Ready (PollResult.not_ready: not polled, so it has no reading), labelled
+# deployment, namespace and pod, as the rule's `time() - since > on (deployment) allowance` leaves them.
+# The value is how long the pod has not been Ready (now - since).
+PodCondition = Callable[[NotReadyPod, float], "float | None"]
+
+
+def _not_ready_too_long(pod: NotReadyPod, now: float) -> float | None:
+    waited = pod.not_ready_seconds(now)
+    return waited if waited > pod.startup_allowance_seconds else None
+
+
+POD_CONDITIONS: dict[str, PodCondition] = {"StepBudgetTargetNotReady": _not_ready_too_long}
 
 
 def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
@@ -193,7 +208,7 @@ def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
     a changed `for`, severity or annotation in the file changes the loop with no Python edit."""
     rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
     names = {rule.name for rule in rules}
-    known = set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS)
+    known = set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS) | set(POD_CONDITIONS)
     if names != known:
         raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in "
                          f"exporter/serve/alerting.py: {sorted(names - known) or 'none'}; "
@@ -224,18 +239,40 @@ class _Alert:
 Post = Callable[[str, list[dict[str, object]], float], None]
 
 
+class AlertmanagerPoster:
+    """POSTs alerts to Alertmanager's API v2 (`/api/v2/alerts`) with `alerting.auth` (a bearer token or
+    basic auth, read at each post so a rotated Secret works) and `alerting.tls` (CA, client certificate)."""
+
+    def __init__(self, auth: Auth, tls: Tls) -> None:
+        self._auth, self._tls = auth, tls
+        if tls.insecure_skip_verify:
+            say_tls_verification_is_off(log, "alertmanager")
+
+    def __call__(self, url: str, alerts: list[dict[str, object]], timeout_seconds: float) -> None:
+        headers = {}
+        authorization = self._auth.authorization()
+        if authorization:
+            headers["Authorization"] = authorization
+        response = requests.post(f"{url.rstrip('/')}/api/v2/alerts", json=alerts, timeout=timeout_seconds,
+                                 headers=headers, verify=self._tls.verify, cert=self._tls.client_cert)
+        if response.status_code >= 300:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+
 def post_alerts(url: str, alerts: list[dict[str, object]], timeout_seconds: float) -> None:
-    response = requests.post(f"{url.rstrip('/')}/api/v2/alerts", json=alerts, timeout=timeout_seconds)
-    if response.status_code >= 300:
-        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+    """One POST with no credentials and the system's CAs."""
+    AlertmanagerPoster(Auth(), Tls())(url, alerts, timeout_seconds)
 
 
 def _described(alert: _Alert) -> dict[str, object]:
-    """An alert's labels and annotations, as both Alertmanager's API and `GET /api/v1/alerts` carry them."""
+    """An alert's labels and annotations, as both Alertmanager's API and `GET /api/v1/alerts` carry them;
+    no credential in any of them (the readings' labels are redacted already: this is the backstop)."""
     return {
-        "labels": {"alertname": alert.rule.name, **alert.rule.labels, **alert.labels},
+        "labels": {key: redact(value)
+                   for key, value in {"alertname": alert.rule.name, **alert.rule.labels, **alert.labels}.items()},
         "annotations": {
-            key: template.render(alert.labels, alert.value) for key, template in alert.rule.annotations.items()
+            key: redact(template.render(alert.labels, alert.value))
+            for key, template in alert.rule.annotations.items()
         },
     }
 
@@ -260,13 +297,13 @@ class AlertLoop:
     `rules` defaults to the packaged rules file; tests pass rules loaded from a modified copy."""
 
     def __init__(self, config: Alerting, *, poll_interval_seconds: float, generator_url: str = "",
-                 clock: Callable[[], float] = time.time, post: Post = post_alerts,
+                 clock: Callable[[], float] = time.time, post: Post | None = None,
                  rules: Sequence[AlertRule] | None = None, deployment_alerts: bool = True) -> None:
         self._urls = config.alertmanager_urls
         self._timeout = config.timeout_seconds
-        self._generator_url = config.generator_url or generator_url
+        self._generator_url = redact(config.generator_url or generator_url)
         self._clock = clock
-        self._post = post
+        self._post = post or AlertmanagerPoster(config.auth, config.tls)
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
         self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds,
                                     config.drift_for_seconds)
@@ -275,6 +312,7 @@ class AlertLoop:
         # A sharded daemon's counts are its share's (build_daemon): only Prometheus sums them.
         self._deployment_rules = tuple(rule for rule in self.rules
                                        if rule.name in DEPLOYMENT_CONDITIONS and deployment_alerts)
+        self._pod_rules = tuple(rule for rule in self.rules if rule.name in POD_CONDITIONS)
         self._alerts: dict[tuple[str, SeriesKey], _Alert] = {}
         self._history: dict[SeriesKey, History] = {}
         self._lock = threading.Lock()
@@ -285,10 +323,11 @@ class AlertLoop:
 
     def on_poll(self, result: PollResult) -> None:
         """Poller listener."""
-        self.evaluate(result.readings, self._clock(), result.deployment_targets)
+        self.evaluate(result.readings, self._clock(), result.deployment_targets, result.not_ready)
 
     def evaluate(self, readings: Sequence[Reading], now: float,
-                 deployment_targets: Sequence[tuple[str, int]] = ()) -> list[dict[str, object]]:
+                 deployment_targets: Sequence[tuple[str, int]] = (),
+                 not_ready: Sequence[NotReadyPod] = ()) -> list[dict[str, object]]:
         """Advance every alert's state to `now`; post what is due; return what was posted."""
         # Each reading's labels and series key once per poll, for the history and for every rule.
         labelled = [(reading, labels := reading.labels, tuple(sorted(labels.items()))) for reading in readings]
@@ -307,6 +346,12 @@ class AlertLoop:
                     if value is not None:
                         labels = {"deployment": name}
                         active.add(self._hold(rule, labels, tuple(labels.items()), value, now))
+            for pod in not_ready:
+                for rule in self._pod_rules:
+                    value = POD_CONDITIONS[rule.name](pod, now)
+                    if value is not None:
+                        labels = pod.labels
+                        active.add(self._hold(rule, labels, tuple(sorted(labels.items())), value, now))
             for series, value in held:  # gone from the readings, over budget at their last one
                 active.add(self._hold(self._page, dict(series), series, value, now))
             for key, alert in list(self._alerts.items()):
@@ -389,8 +434,16 @@ class AlertLoop:
             try:
                 self._post(url, alerts, self._timeout)
             except Exception as error:  # Alertmanager down is logged, never fatal
-                log.warning("alertmanager_post_failed", url=url, alerts=len(alerts),
-                            reason=f"{type(error).__name__}: {str(error)[:200]}")
+                log.warning("alertmanager_post_failed", url=redact(url), alerts=len(alerts),
+                            reason=redact(f"{type(error).__name__}: {str(error)[:200]}"))
+
+    def sizes(self) -> tuple[int, int]:
+        """(series remembered, alerts tracked). Series: those of the last poll's readings, plus those gone
+        from the readings while over budget, each for PAGE_HOLD_SECONDS at most; each keeps the preemption
+        counter's values of the last PREEMPTION_WINDOW_SECONDS. Alerts: one per rule and series whose
+        condition holds (pending or firing), plus the resolved ones, each for RESOLVED_RETENTION_SECONDS."""
+        with self._lock:
+            return len(self._history), len(self._alerts)
 
     def active(self) -> list[dict[str, object]]:
         """Every alert whose condition holds now, pending or firing, shaped like the `alerts` of

@@ -15,7 +15,7 @@ label-name/label-value API reads better and costs nothing that matters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CollectorRegistry, Metric
@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from exporter import __version__
 from exporter.capacity import model
 from exporter.serve.config import Deployment
+from exporter.serve.discovery import NotReadyPod
 from exporter.serve.online_calibration import MIX_PARTS, fit_mix, setup_key
 from exporter.serve.reading import Reading, page_setup
 from exporter.serve.window import MEDIAN_RESOLUTION_RATIO
@@ -188,6 +189,10 @@ PER_TARGET: tuple[PerTarget, ...] = (
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
 DEPLOYMENT_TARGETS_METRIC = "stepbudget_deployment_targets"
+# Discovery's lifecycle and the one-process check (exporter/serve/discovery.py, process_identity.py).
+NOT_READY_METRIC = "stepbudget_target_not_ready_since_timestamp_seconds"
+STARTUP_ALLOWANCE_METRIC = "stepbudget_target_startup_allowance_seconds"
+MIXED_PROCESSES_METRIC = "stepbudget_target_mixed_processes"
 BANDWIDTH_HELP = ("Effective memory bandwidth the prediction uses, per GPU; label source: configured, calibrated, "
                   "default (an assumption) or online (fitted from the daemon's own windows).")
 # Per deployment, the other fitted terms the prediction uses, with the same source label, and the online fit.
@@ -218,10 +223,14 @@ class StepBudgetCollector(Collector):
     """Builds every stepbudget family from the poller's latest readings and the config."""
 
     def __init__(self, readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
-                 deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple) -> None:
+                 deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple,
+                 not_ready: Callable[[], Sequence[NotReadyPod]] = tuple,
+                 mixed_targets: Callable[[], Collection[tuple[str, str]]] = frozenset) -> None:
         self._readings = readings
         self._deployments = tuple(deployments)
         self._deployment_targets = deployment_targets
+        self._not_ready = not_ready
+        self._mixed_targets = mixed_targets
         self._setup_keys = {deployment.name: setup_key(deployment.resolved) for deployment in self._deployments}
         self._configured_kv = {deployment.name: deployment.kv_cache_dtype for deployment in self._deployments}
 
@@ -234,7 +243,7 @@ class StepBudgetCollector(Collector):
         the same. The poller publishes a new tuple per poll, and a refit a new InUse, so between polls
         these are the same objects and comparing them costs little."""
         return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments),
-                tuple(self._deployment_targets()))
+                tuple(self._deployment_targets()), tuple(self._not_ready()), frozenset(self._mixed_targets()))
 
     def collect(self) -> Iterator[Metric]:
         readings = list(self._readings())
@@ -264,6 +273,7 @@ class StepBudgetCollector(Collector):
                                      {**labels, "quantity": quantity, "reason": reason}, 1.0)
         yield estimated
         yield from self._roles_and_disagreements(labelled)
+        yield from self._lifecycle(labelled)
         yield from self._fit_windows(labelled)
         yield from self._per_deployment(readings)
         targets = Metric(DEPLOYMENT_TARGETS_METRIC, "Targets the last poll found for the deployment (discovery, or "
@@ -293,6 +303,32 @@ class StepBudgetCollector(Collector):
                     **labels, "quantity": quantity, "configured": configured, "page": page}, 1.0)
         yield roles
         yield disagreements
+
+    def _lifecycle(self, labelled: Sequence[tuple[Reading, dict[str, str]]]) -> Iterator[Metric]:
+        """Per answering target, whether its pages come from more than one process; per Kubernetes pod not
+        Ready (not polled), since when; per Kubernetes deployment, how long a pod may take to become Ready."""
+        mixed_targets = self._mixed_targets()
+        mixed = Metric(MIXED_PROCESSES_METRIC, "1 while the target's pages come from more than one process (a "
+                       "load-balanced URL: process_start_time_seconds or the counters' _created differ between "
+                       "polls): no window is computed from them, so no measured step or prefill; else 0.", "gauge")
+        for reading, labels in labelled:
+            if reading.target_up:
+                mixed.add_sample(MIXED_PROCESSES_METRIC, labels,
+                                 1.0 if (reading.deployment, reading.target) in mixed_targets else 0.0)
+        yield mixed
+        waiting = Metric(NOT_READY_METRIC, "Unix time since which a Kubernetes pod the deployment's selector "
+                         "matches has not been Ready (its Ready condition's last transition, or its creation): "
+                         "not polled until it is; StepBudgetTargetNotReady past the startup allowance.", "gauge")
+        for pod in self._not_ready():
+            waiting.add_sample(NOT_READY_METRIC, pod.labels, pod.since_seconds)
+        yield waiting
+        allowance = Metric(STARTUP_ALLOWANCE_METRIC, "How long a pod of the deployment may stay not Ready before "
+                           "StepBudgetTargetNotReady (config targets.kubernetes.startup_allowance).", "gauge")
+        for deployment in self._deployments:
+            if deployment.kubernetes is not None:
+                allowance.add_sample(STARTUP_ALLOWANCE_METRIC, {"deployment": deployment.name},
+                                     deployment.kubernetes.startup_allowance_seconds)
+        yield allowance
 
     def _fit_windows(self, labelled: Sequence[tuple[Reading, dict[str, str]]]) -> Iterator[Metric]:
         """Per target, what its window's online fit needs beyond the gauges: the window's steps by
@@ -435,8 +471,10 @@ class PageRegistry(CollectorRegistry):
 
 
 def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
-                  deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple) -> PageRegistry:
+                  deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple,
+                  not_ready: Callable[[], Sequence[NotReadyPod]] = tuple,
+                  mixed_targets: Callable[[], Collection[tuple[str, str]]] = frozenset) -> PageRegistry:
     """A private registry (never the global one) holding only the stepbudget collector."""
     registry = PageRegistry()
-    registry.register(StepBudgetCollector(readings, deployments, deployment_targets))
+    registry.register(StepBudgetCollector(readings, deployments, deployment_targets, not_ready, mixed_targets))
     return registry

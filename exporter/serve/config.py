@@ -16,6 +16,7 @@ daemon's poller or server.
 from __future__ import annotations
 
 import argparse
+import base64
 import functools
 import json
 import os
@@ -73,6 +74,7 @@ from exporter.config_validators import (
     whole_positive,
 )
 from exporter.errors import InputError
+from exporter.redaction import redact
 from exporter.serve.alert_rules import packaged_for_seconds
 from exporter.serve.online_calibration import Settings as OnlineSettings
 from exporter.serve.online_calibration import SetupInUse
@@ -82,7 +84,9 @@ from exporter.serve.sharding import SHARD_SECTION
 # re-exported from config_validators so `from exporter.serve.config import ConfigError` keeps working.
 __all__ = [
     "ALERTING_KEYS",
+    "AUTH_CHECK",
     "AUTH_KEYS",
+    "BASIC_AUTH_KEYS",
     "CALIBRATION_NUMBERS",
     "CALIBRATION_REQUIRED_KEYS",
     "CORE_KEYS",
@@ -106,8 +110,10 @@ __all__ = [
     "TOP_LEVEL_KEYS",
     "Alerting",
     "Auth",
+    "BasicAuth",
     "Config",
     "ConfigError",
+    "CredentialError",
     "Deployment",
     "DnsTargets",
     "Key",
@@ -118,6 +124,9 @@ __all__ = [
     "Table",
     "Tls",
     "Where",
+    "auth_from",
+    "basic_auth_check",
+    "basic_authorization",
     "build_parser",
     "config_from_mapping",
     "daemon_sections",
@@ -132,6 +141,7 @@ __all__ = [
     "run",
     "section",
     "targets_check",
+    "tls_check",
     "top_level_keys",
 ]
 
@@ -146,6 +156,9 @@ DEFAULT_PROMETHEUS_RESPONSE_BYTES = 512 * 2**20
 # still ending before the next is due is not skipped by the scheduler.
 DEFAULT_QUERY_TIMEOUT_SHARE = 0.8
 DEFAULT_STALE_AFTER_SECONDS = 60.0
+# How long a Kubernetes pod may stay not Ready before StepBudgetTargetNotReady: a 70B-class model's load
+# (weights from a volume or a registry, CUDA graphs, warm-up) takes 5-10 minutes on one node.
+DEFAULT_STARTUP_ALLOWANCE_SECONDS = 15 * 60.0
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -182,6 +195,13 @@ def targets_check(result: dict[str, Any], where: Where) -> None:
     if result["prometheus"] and any(result[name] for name in ("static", "dns", "kubernetes")):
         raise Invalid("prometheus reads every target from Prometheus: "
                       "give it alone, not with static, dns or kubernetes")
+    shown: dict[str, str] = {}
+    for static_url in result["static"]:
+        # Two URLs that differ only in a credential's value would show (and be labelled) as one.
+        other = shown.setdefault(redact(static_url), static_url)
+        if other != static_url:
+            raise Invalid(f"two static URLs differ only in a credential's value ({redact(static_url)}): "
+                          "their `target` labels would be the same")
 
 
 DNS_KEYS: Table = {
@@ -199,15 +219,48 @@ KUBERNETES_KEYS: Table = {
     "scheme": Key(choice("http", "https"), "http", "http or https"),
     "kubeconfig": Key(existing_file, None,
                       "kubeconfig file; default: in-cluster config, else $KUBECONFIG / ~/.kube/config"),
+    "startup_allowance": Key(duration, DEFAULT_STARTUP_ALLOWANCE_SECONDS,
+                             "how long a pod may stay not Ready (loading its model) before "
+                             "StepBudgetTargetNotReady warns; not-Ready pods are never polled"),
 }
+BASIC_AUTH_KEYS: Table = {
+    "username": Key(string, REQUIRED, "the username"),
+    "password_file": Key(existing_file, None,
+                         "file holding the password, e.g. a mounted Secret (re-read at every use, so a rotated one "
+                         "works)"),
+    "password_env": Key(string, None, "name of an environment variable holding the password"),
+}
+
+
+def basic_auth_check(result: dict[str, Any], where: Where) -> None:
+    """The password comes from exactly one place: none given is far more often a slip than an empty password."""
+    given = [name for name in ("password_file", "password_env") if result[name] is not None]
+    if len(given) != 1:
+        raise Invalid("give the password in one of password_file, password_env" if not given
+                      else "give one of password_file, password_env, not both")
+
+
+def tls_check(result: dict[str, Any], where: Where) -> None:
+    """A client key is nothing without its certificate (which may hold the key itself)."""
+    if result["key_file"] is not None and result["cert_file"] is None:
+        raise Invalid("key_file is the private key of a client certificate: give cert_file too")
+
+
 AUTH_KEYS: Table = {
     "bearer_token_file": Key(existing_file, None,
                              "file holding a bearer token (re-read at every poll, so rotated tokens work)"),
     "bearer_token_env": Key(string, None, "name of an environment variable holding a bearer token"),
+    "basic_auth": Key(section(BASIC_AUTH_KEYS, check=basic_auth_check), None,
+                      "HTTP basic auth: a username and a password from a file or the environment"),
 }
+AUTH_CHECK = one_of_keys("bearer_token_file", "bearer_token_env", "basic_auth")
 TLS_KEYS: Table = {
     "ca_file": Key(existing_file, None, "CA bundle to verify the servers' certificates"),
     "insecure_skip_verify": Key(boolean, False, "do not verify certificates (testing only)"),
+    "cert_file": Key(existing_file, None,
+                     "client certificate (PEM) presented to the servers (mutual TLS); its key in key_file or in "
+                     "this file"),
+    "key_file": Key(existing_file, None, "the client certificate's private key (PEM, not encrypted)"),
 }
 PROMETHEUS_KEYS: Table = {
     "url": Key(url, REQUIRED,
@@ -215,9 +268,10 @@ PROMETHEUS_KEYS: Table = {
     "selector": Key(promql_selector, REQUIRED,
                     'label matchers of the engines\' series and their `up`, e.g. `job="vllm"`'),
     "tenant": Key(string, None, "tenant sent as `X-Scope-OrgID` (Mimir, Cortex)"),
-    "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None,
-                "bearer token for the query API (default: the deployment's `auth`)"),
-    "tls": Key(section(TLS_KEYS), None, "TLS for an https query API (default: the deployment's `tls`)"),
+    "auth": Key(section(AUTH_KEYS, check=AUTH_CHECK), None,
+                "bearer token or basic auth for the query API (default: the deployment's `auth`)"),
+    "tls": Key(section(TLS_KEYS, check=tls_check), None,
+               "TLS for an https query API (default: the deployment's `tls`)"),
     "max_response_bytes": Key(size, float(DEFAULT_PROMETHEUS_RESPONSE_BYTES),
                               "a query answer larger than this is refused"),
     "query_timeout": Key(duration, None,
@@ -227,7 +281,7 @@ PROMETHEUS_KEYS: Table = {
 TARGETS_KEYS: Table = {
     "static": Key(url_list, [], "list of metrics URLs, e.g. `http://10.0.0.5:8000/metrics`"),
     "dns": Key(section(DNS_KEYS), None, "DNS discovery: every address the name resolves to is a target"),
-    "kubernetes": Key(section(KUBERNETES_KEYS), None, "Kubernetes pod discovery (Running pods with an IP)"),
+    "kubernetes": Key(section(KUBERNETES_KEYS), None, "Kubernetes pod discovery (Ready pods with an IP)"),
     "prometheus": Key(section(PROMETHEUS_KEYS), None,
                       "read the engines' series from Prometheus's query API instead of fetching pages "
                       "(each `instance` is a target; docs/scaling.md)"),
@@ -324,8 +378,9 @@ DEPLOYMENT_KEYS: Table = {
                 "what the servers do in a prefill/decode split: auto (from the page), prefill (no decode-step "
                 "page; a prefill budget), decode (prompts arrive by KV transfer), both"),
     "targets": Key(section(TARGETS_KEYS, check=targets_check), REQUIRED, "where the model servers are"),
-    "auth": Key(section(AUTH_KEYS, check=one_of_keys("bearer_token_file", "bearer_token_env")), None, "bearer token"),
-    "tls": Key(section(TLS_KEYS), None, "TLS settings for https targets"),
+    "auth": Key(section(AUTH_KEYS, check=AUTH_CHECK), None,
+                "credentials for the servers: a bearer token or basic auth, from files or the environment"),
+    "tls": Key(section(TLS_KEYS, check=tls_check), None, "TLS settings for https targets"),
 }
 ALERTING_KEYS: Table = {
     "alertmanager_urls": Key(url_list, [], "Alertmanager base URLs; empty: the in-process alert loop is off"),
@@ -334,6 +389,9 @@ ALERTING_KEYS: Table = {
                                      "loop; every online_calibration.holdout must outlast it"),
     "timeout": Key(duration, 5.0, "timeout of each POST to Alertmanager"),
     "generator_url": Key(url, None, "link put in each alert (default: this daemon's `/`)"),
+    "auth": Key(section(AUTH_KEYS, check=AUTH_CHECK), None,
+                "credentials for Alertmanager: a bearer token or basic auth, from files or the environment"),
+    "tls": Key(section(TLS_KEYS, check=tls_check), None, "TLS for https Alertmanagers"),
 }
 
 
@@ -412,12 +470,46 @@ class KubernetesTargets:
     path: str
     scheme: str
     kubeconfig: str | None
+    # How long a pod may stay not Ready before StepBudgetTargetNotReady (config `startup_allowance`).
+    startup_allowance_seconds: float = DEFAULT_STARTUP_ALLOWANCE_SECONDS
+
+
+class CredentialError(Exception):
+    """A credential the config names cannot be read now; `reason` says which and why (never its value)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class BasicAuth:
+    username: str
+    password_file: str | None = None
+    password_env: str | None = None
+
+    def password(self) -> str:
+        """Read at each use (a rotated Secret works); CredentialError when it cannot be."""
+        if self.password_file:
+            try:
+                with open(self.password_file, encoding="utf-8") as handle:
+                    return handle.read().strip()
+            except OSError as error:
+                raise CredentialError(f"basic_auth.password_file {self.password_file}: cannot be read: "
+                                      f"{error.strerror or type(error).__name__}") from None
+        if self.password_env:
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise CredentialError(f"basic_auth.password_env: environment variable {self.password_env} is not set")
+            return value.strip()
+        return ""
 
 
 @dataclass(frozen=True)
 class Auth:
     bearer_token_file: str | None = None
     bearer_token_env: str | None = None
+    basic_auth: BasicAuth | None = None
 
     def bearer_token(self) -> str | None:
         """Read at each use: Kubernetes rotates projected service-account tokens in place."""
@@ -428,16 +520,36 @@ class Auth:
             return os.environ.get(self.bearer_token_env, "").strip() or None
         return None
 
+    def authorization(self) -> str | None:
+        """The `Authorization` header's value, read now: `Basic ...` (RFC 7617, UTF-8), `Bearer ...`, or None."""
+        if self.basic_auth is not None:
+            return basic_authorization(self.basic_auth.username, self.basic_auth.password())
+        token = self.bearer_token()
+        return f"Bearer {token}" if token else None
+
+
+def basic_authorization(username: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode("ascii")
+
 
 @dataclass(frozen=True)
 class Tls:
     ca_file: str | None = None
     insecure_skip_verify: bool = False
+    cert_file: str | None = None  # a client certificate (mutual TLS), its key here or in key_file
+    key_file: str | None = None
 
     @property
     def verify(self) -> bool | str:
         """What an HTTP client's `verify` takes: False (not checked), the CA file, or True (the system's CAs)."""
         return False if self.insecure_skip_verify else (self.ca_file or True)
+
+    @property
+    def client_cert(self) -> str | tuple[str, str] | None:
+        """What `requests`' `cert` takes: the certificate file, (certificate, key), or None."""
+        if self.cert_file is None:
+            return None
+        return (self.cert_file, self.key_file) if self.key_file else self.cert_file
 
 
 @dataclass(frozen=True)
@@ -504,6 +616,8 @@ class Alerting:
     timeout_seconds: float = 5.0
     drift_for_seconds: float | None = None  # StepBudgetPredictionDrift's `for` in the loop (None: the rules file's)
     generator_url: str | None = None
+    auth: Auth = field(default_factory=Auth)
+    tls: Tls = field(default_factory=Tls)
 
 
 @dataclass(frozen=True)
@@ -649,7 +763,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         raise where.error(str(error)) from None
     targets = raw["targets"]
     auth, tls = raw["auth"], raw["tls"]
-    deployment_auth, deployment_tls = Auth(**auth) if auth else Auth(), Tls(**tls) if tls else Tls()
+    deployment_auth, deployment_tls = auth_from(auth) or Auth(), Tls(**tls) if tls else Tls()
     return Deployment(
         name=raw["name"], model=raw["model"], gpu=raw["gpu"].name, tensor_parallel=raw["tensor_parallel"],
         kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"], role=raw["role"],
@@ -658,11 +772,28 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         resolved=resolved,
         static_urls=tuple(targets["static"]),
         dns=DnsTargets(**targets["dns"]) if targets["dns"] else None,
-        kubernetes=KubernetesTargets(**targets["kubernetes"]) if targets["kubernetes"] else None,
+        kubernetes=_kubernetes_targets(targets["kubernetes"]),
         auth=deployment_auth, tls=deployment_tls,
         prometheus=_prometheus_targets(targets["prometheus"], deployment_auth, deployment_tls, query_timeout_seconds),
         online_calibration=online_settings(raw["online_calibration"], defaults["online_calibration"]),
     )
+
+
+def _kubernetes_targets(raw: Mapping[str, Any] | None) -> KubernetesTargets | None:
+    if not raw:
+        return None
+    keys = dict(raw)
+    allowance = keys.pop("startup_allowance")
+    return KubernetesTargets(**keys, startup_allowance_seconds=allowance)
+
+
+def auth_from(raw: Mapping[str, Any] | None) -> Auth | None:
+    """An `auth` section as Auth (None when not given)."""
+    if not raw:
+        return None
+    basic = raw["basic_auth"]
+    return Auth(bearer_token_file=raw["bearer_token_file"], bearer_token_env=raw["bearer_token_env"],
+                basic_auth=BasicAuth(**basic) if basic else None)
 
 
 def online_settings(own: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None) -> OnlineSettings:
@@ -685,7 +816,7 @@ def _prometheus_targets(raw: Mapping[str, Any] | None, auth: Auth, tls: Tls,
         return None
     return PrometheusTargets(
         url=raw["url"], selector=raw["selector"], tenant=raw["tenant"],
-        auth=Auth(**raw["auth"]) if raw["auth"] else auth, tls=Tls(**raw["tls"]) if raw["tls"] else tls,
+        auth=auth_from(raw["auth"]) or auth, tls=Tls(**raw["tls"]) if raw["tls"] else tls,
         max_response_bytes=int(raw["max_response_bytes"]),
         query_timeout_seconds=raw["query_timeout"] or default_query_timeout_seconds,
     )
@@ -710,6 +841,8 @@ def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Sect
         alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
         timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
         drift_for_seconds=alerting_raw["drift_for"],
+        auth=auth_from(alerting_raw["auth"]) or Auth(),
+        tls=Tls(**alerting_raw["tls"]) if alerting_raw["tls"] else Tls(),
     ) if alerting_raw else Alerting()
     deployments = _check_holdouts(document, top, deployments, alerting, root)
     config = Config(

@@ -52,7 +52,8 @@ _SIZE = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string",
 _BANDWIDTH = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": BANDWIDTH_PATTERN}]}
 _FLOPS = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": FLOPS_PATTERN}]}
 _DURATION = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string", "pattern": DURATION_PATTERN}]}
-_URL = {"type": "string", "pattern": r"^\s*https?://"}
+# No `@` between `//` and the query: credentials in a URL are refused (config_validators.url).
+_URL = {"type": "string", "pattern": r"^\s*https?://[^?#@]*(?:[?#].*)?$"}
 
 # Each plain validator of exporter/config_validators.py (and config.py's `listen_address`), by its
 # qualified name: all public, so this table names nothing private of another module.
@@ -100,6 +101,16 @@ def _check_schema(check: Callable[..., Any] | None) -> dict[str, Any]:
         custom = list(config.CUSTOM_DEVICE_KEYS)
         return {"anyOf": [{"required": ["preset"], "properties": {"preset": given}},
                           {"required": custom, "properties": dict.fromkeys(custom, given)}]}
+    given = {"not": {"type": "null"}}
+    if _name(check) == "basic_auth_check":
+        # Exactly one of the two places for the password (`required` passes a null section by, as it should).
+        names = ("password_file", "password_env")
+        both = {"type": "object", "required": list(names), "properties": dict.fromkeys(names, given)}
+        return {"anyOf": [{"required": [name], "properties": {name: given}} for name in names], "not": both}
+    if _name(check) == "tls_check":
+        # key_file only with cert_file.
+        return {"not": {"type": "object", "required": ["key_file"], "properties": {"key_file": given},
+                        "not": {"required": ["cert_file"], "properties": {"cert_file": given}}}}
     if _name(check) == "one_of_keys":
         names = inspect.getclosurevars(check).nonlocals["names"]
         given = {"not": {"type": "null"}}

@@ -26,6 +26,7 @@ from exporter.admission import wiring as admission
 from exporter.capacity.presets import CUSTOM_GPU, FIGURE_KEYS, GPU_FIGURE_FLAGS, is_custom_gpu, require_figures
 from exporter.errors import InputError
 from exporter.logs import configure_logging
+from exporter.redaction import redact
 from exporter.serve.alerting import AlertLoop
 from exporter.serve.collector import make_registry
 from exporter.serve.config import (
@@ -38,9 +39,9 @@ from exporter.serve.config import (
     read_document,
 )
 from exporter.serve.discovery import Discovery
-from exporter.serve.online_calibration import OnlineCalibrator
+from exporter.serve.online_calibration import MAX_WINDOWS_PER_DEPLOYMENT, OnlineCalibrator
 from exporter.serve.online_seed import start_seeding
-from exporter.serve.poller import HttpFetcher, Poller
+from exporter.serve.poller import MAX_CACHED_REQUESTS, HttpFetcher, Poller
 from exporter.serve.prometheus_source import PrometheusSource
 from exporter.serve.server import Response, StepBudgetServer, TargetRow
 from exporter.serve.sharding import (
@@ -51,6 +52,7 @@ from exporter.serve.sharding import (
     shard_from_config,
     shard_section,
 )
+from exporter.serve.state_sizes import StateSizes
 
 log = structlog.get_logger("stepbudget.daemon")
 
@@ -65,6 +67,7 @@ class Daemon:
     alert_loop: AlertLoop
     fetcher: HttpFetcher
     sources: tuple[PrometheusSource, ...] = ()
+    state_sizes: StateSizes | None = None
 
 
 Extension = Callable[[Daemon], object]
@@ -90,6 +93,8 @@ def start_serving(daemon: Daemon) -> list[object]:
     refresh after each poll, then /metrics served. One place, so tests start a daemon as `serve` does.
     Returns what each extension installed."""
     installed = [hook(daemon) for hook in extensions_for(daemon.config)]
+    if daemon.state_sizes is not None:  # after every other listener: the sizes each poll left
+        daemon.poller.add_listener(daemon.state_sizes.on_poll)
     # Last listener, after the extensions' (admission sync): the page is re-rendered once per poll
     # with everything the poll changed, and scrapes are served from it.
     daemon.poller.add_listener(lambda result: daemon.server.metrics_page.refresh())
@@ -194,7 +199,8 @@ def build_daemon(config: Config) -> Daemon:
         discovery = ShardedDiscovery(discovery, shard)
     sources = prometheus_sources(config, shard)
     poller = Poller(config, discovery, fetcher, sources=sources)
-    registry = make_registry(poller.readings, config.deployments, poller.deployment_targets)
+    registry = make_registry(poller.readings, config.deployments, poller.deployment_targets, poller.not_ready,
+                             poller.mixed_targets)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
                               targets=lambda: _target_rows(poller))
     # The loop always evaluates, so `GET /api/v1/alerts` shows pending and firing alerts; it posts
@@ -211,7 +217,26 @@ def build_daemon(config: Config) -> Daemon:
         start_seeding(calibrator)
     poller.add_listener(alert_loop.on_poll)
     server.register_route("GET", "/api/v1/alerts", lambda request: _alerts_response(alert_loop))
-    return Daemon(config, poller, server, alert_loop, fetcher, sources)
+    return Daemon(config, poller, server, alert_loop, fetcher, sources,
+                  watch_state(poller, fetcher, alert_loop, calibrator, server))
+
+
+def watch_state(poller: Poller, fetcher: HttpFetcher, alert_loop: AlertLoop, calibrator: OnlineCalibrator,
+                server: StepBudgetServer) -> StateSizes:
+    """Every structure keyed by target, series, engine or connection, measured once per poll and exported
+    (`stepbudget_state_entries`, `stepbudget_state_max_entries`; docs/operations.md, "Memory bounds")."""
+    sizes = StateSizes()
+    sizes.watch("poller_targets", lambda: len(poller.target_states()))
+    sizes.watch("fetch_pools", lambda: fetcher.sizes()[0], MAX_CACHED_REQUESTS + 1)
+    sizes.watch("fetch_routes", lambda: fetcher.sizes()[1], MAX_CACHED_REQUESTS + 1)
+    sizes.watch("alert_series", lambda: alert_loop.sizes()[0])
+    sizes.watch("alerts", lambda: alert_loop.sizes()[1])
+    sizes.watch("calibration_windows", lambda: calibrator.sizes()[0],
+                MAX_WINDOWS_PER_DEPLOYMENT * len(calibrator.deployments))
+    sizes.watch("calibration_engines", lambda: calibrator.sizes()[1])
+    sizes.watch("http_connections", server.open_connections, server.limits.reset_above_connections)
+    server.registry.register(sizes)
+    return sizes
 
 
 def prometheus_sources(config: Config, shard: Shard | None) -> tuple[PrometheusSource, ...]:
@@ -269,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("started", version=__version__, listen=config.listen, port=daemon.server.port,
              poll_interval_seconds=config.poll_interval_seconds, timeout_seconds=config.timeout_seconds,
              deployments=[_describe(d) for d in config.deployments],
-             alertmanagers=list(config.alerting.alertmanager_urls) or "off")
+             alertmanagers=[redact(url) for url in config.alerting.alertmanager_urls] or "off")
     daemon.poller.start()
     try:
         while not stop.wait(STOP_POLL_SECONDS):
@@ -295,9 +320,9 @@ def _sources_of(deployment: Deployment) -> dict[str, Any]:
     """Where a deployment's servers are read from, as the start-up log says it."""
     sources: dict[str, Any] = {}
     if deployment.prometheus:
-        sources["prometheus"] = f"{deployment.prometheus.url} {{{deployment.prometheus.selector}}}"
+        sources["prometheus"] = f"{redact(deployment.prometheus.url)} {{{deployment.prometheus.selector}}}"
     if deployment.static_urls:
-        sources["static"] = list(deployment.static_urls)
+        sources["static"] = [redact(url) for url in deployment.static_urls]
     if deployment.dns:
         sources["dns"] = f"{deployment.dns.name}:{deployment.dns.port}"
     if deployment.kubernetes:

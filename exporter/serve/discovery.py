@@ -4,6 +4,13 @@ Discovery runs before each poll. A source that fails (DNS timeout, API server do
 good list and logs why, so one flaky lookup does not blank a deployment's targets; a target that
 truly disappears (pod deleted, address gone from DNS) is dropped, and the poller then drops its
 readings from the export.
+
+Kubernetes pods know their lifecycle: a pod is polled only once it is Ready (vLLM opens its port long
+before its model is loaded, and a page from a loading server is no reading); a pod that is not Ready
+yet is listed in `not_ready()` with the time it has been so since, which the daemon exports and alerts
+on past the deployment's startup allowance (StepBudgetTargetNotReady, not TargetDown); a terminating
+pod (deletionTimestamp set) leaves at once. A pod's identity is its UID, not its IP: a new pod that
+gets an old pod's IP is a new target (Target.uid), with its own name on every series.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ import functools
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +45,9 @@ class Target:
     target: str
     namespace: str | None = None
     pod: str | None = None
+    # The pod's UID (Kubernetes discovery): what tells a new pod from an old one at the same IP. Not a
+    # label; a target whose UID changes under the same URL is a new target (the poller starts afresh).
+    uid: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -150,6 +162,44 @@ def _split_selector(selector: str) -> list[str]:
 class PodAddress:
     name: str
     ip: str
+    uid: str | None = None
+
+
+@dataclass(frozen=True)
+class NotReadyPod:
+    """A pod the selector matches that is not Ready yet (or no longer): not polled, watched.
+
+    `since_seconds` is when it last became not Ready (its Ready condition's lastTransitionTime), or
+    its creation when it has no Ready condition yet (still being scheduled): Unix seconds, the
+    API server's clock. Exported as stepbudget_target_not_ready_since_timestamp_seconds; past
+    `startup_allowance_seconds` it raises StepBudgetTargetNotReady.
+    """
+
+    deployment: str
+    namespace: str
+    pod: str
+    uid: str | None
+    since_seconds: float
+    startup_allowance_seconds: float
+    phase: str
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"deployment": self.deployment, "namespace": self.namespace, "pod": self.pod}
+
+    def not_ready_seconds(self, now_seconds: float) -> float:
+        return now_seconds - self.since_seconds
+
+
+@dataclass(frozen=True)
+class WaitingPod:
+    """A pod of the listing that is not Ready: its name, UID, phase, and since when (None: the API
+    gave no time; discovery then counts from when it first saw it)."""
+
+    name: str
+    uid: str | None
+    since_seconds: float | None
+    phase: str
 
 
 def kubernetes_client(kubeconfig: str | None, timeout_seconds: float) -> Any:
@@ -162,18 +212,38 @@ def kubernetes_client(kubeconfig: str | None, timeout_seconds: float) -> Any:
     return Client(config, timeout=httpx2.Timeout(timeout_seconds), trust_env=False)
 
 
-def list_running_pods(client: Any, spec: KubernetesTargets) -> list[PodAddress]:
-    """Pods matching the selector that are Running and have an IP (others cannot serve /metrics)."""
+def _timestamp(value: datetime | None) -> float | None:
+    return value.timestamp() if value is not None else None
+
+
+def _ready_condition(status: Any) -> Any:
+    return next((c for c in (status.conditions or []) if c.type == "Ready"), None) if status is not None else None
+
+
+def list_pods(client: Any, spec: KubernetesTargets) -> tuple[list[PodAddress], list[WaitingPod]]:
+    """Pods matching the selector, sorted by name: those Running, Ready and with an IP are polled; those
+    Pending or Running but not Ready are reported as not ready; terminating pods (deletionTimestamp set)
+    and finished ones (Succeeded, Failed) are neither."""
     from lightkube.resources.core_v1 import Pod
 
     pods = client.list(Pod, namespace=spec.namespace, labels=parse_label_selector(spec.label_selector))
-    found = []
-    for pod in pods:
-        status = pod.status
-        if status is None or status.phase != "Running" or not status.podIP:
+    ready: list[PodAddress] = []
+    waiting: list[WaitingPod] = []
+    for pod in sorted(pods, key=lambda pod: pod.metadata.name):
+        metadata, status = pod.metadata, pod.status
+        if metadata.deletionTimestamp is not None:
+            continue  # terminating: its server is shutting down, its page soon gone
+        phase = status.phase if status is not None and status.phase else "Pending"
+        if phase not in ("Pending", "Running"):
             continue
-        found.append(PodAddress(name=pod.metadata.name, ip=status.podIP))
-    return sorted(found, key=lambda pod: pod.name)
+        condition = _ready_condition(status)
+        if phase == "Running" and condition is not None and condition.status == "True" and status.podIP:
+            ready.append(PodAddress(name=metadata.name, ip=status.podIP, uid=metadata.uid))
+            continue
+        since = (_timestamp(condition.lastTransitionTime) if condition is not None else None) \
+            or _timestamp(metadata.creationTimestamp)
+        waiting.append(WaitingPod(metadata.name, metadata.uid, since, phase))
+    return ready, waiting
 
 
 # --- all sources -------------------------------------------------------------------------------
@@ -184,7 +254,8 @@ class Discovery:
 
     def __init__(self, deployments: Sequence[Deployment], *, timeout_seconds: float,
                  resolver: Resolver = socket.getaddrinfo,
-                 kubernetes_client_factory: Callable[[str | None, float], Any] = kubernetes_client) -> None:
+                 kubernetes_client_factory: Callable[[str | None, float], Any] = kubernetes_client,
+                 clock: Callable[[], float] = time.time) -> None:
         self._deployments = tuple(deployments)
         # Static targets never change: built once, not at every poll.
         self._static = tuple([Target(d.name, url, target_label(url)) for url in d.static_urls]
@@ -196,6 +267,15 @@ class Discovery:
         # Last good answer per (deployment, source), kept when a lookup fails.
         self._last: dict[tuple[str, str], list[Target]] = {}
         self._last_error: dict[tuple[str, str], str] = {}
+        # Per deployment, the pods of its last good Kubernetes listing that are not Ready (kept, like the
+        # targets, when a listing fails); and when discovery first saw a pod the API gave no time for.
+        self._not_ready: dict[str, list[NotReadyPod]] = {}
+        self._first_seen: dict[tuple[str, str], float] = {}
+        self._clock = clock
+
+    def not_ready(self) -> list[NotReadyPod]:
+        """The pods the last good listings found not Ready, every Kubernetes deployment's (not polled)."""
+        return [pod for pods in self._not_ready.values() for pod in pods]
 
     def discover(self) -> list[Target]:
         targets: list[Target] = []
@@ -227,7 +307,7 @@ class Discovery:
         if key in self._last_error:
             log.info("discovery_recovered", deployment=deployment.name, source=source)
             del self._last_error[key]
-        if [t.url for t in found] != [t.url for t in self._last.get(key, [])]:
+        if [(t.url, t.pod, t.uid) for t in found] != [(t.url, t.pod, t.uid) for t in self._last.get(key, [])]:
             log.info("discovery_changed", deployment=deployment.name, source=source,
                      targets=[t.target for t in found])
         self._last[key] = found
@@ -241,9 +321,31 @@ class Discovery:
     def _kubernetes(self, deployment: str, spec: KubernetesTargets) -> list[Target]:
         if spec.kubeconfig not in self._clients:
             self._clients[spec.kubeconfig] = self._client_factory(spec.kubeconfig, self._timeout_seconds)
-        pods = list_running_pods(self._clients[spec.kubeconfig], spec)
+        pods, waiting = list_pods(self._clients[spec.kubeconfig], spec)
         targets = []
         for pod in pods:
             url = _host_port_url(spec.scheme, pod.ip, spec.port, spec.path)
-            targets.append(Target(deployment, url, target_label(url), namespace=spec.namespace, pod=pod.name))
+            targets.append(Target(deployment, url, target_label(url), namespace=spec.namespace, pod=pod.name,
+                                  uid=pod.uid))
+        self._keep_not_ready(deployment, spec, waiting)
         return targets
+
+    def _keep_not_ready(self, deployment: str, spec: KubernetesTargets, waiting: list[WaitingPod]) -> None:
+        now = self._clock()
+        seen = {(deployment, pod.uid or pod.name) for pod in waiting}
+        for key in [key for key in self._first_seen if key[0] == deployment and key not in seen]:
+            del self._first_seen[key]  # Ready or gone: forgotten, so the map stays as small as the listing
+        found = []
+        for pod in waiting:
+            since = pod.since_seconds
+            if since is None:
+                since = self._first_seen.setdefault((deployment, pod.uid or pod.name), now)
+            found.append(NotReadyPod(deployment, spec.namespace, pod.name, pod.uid, since,
+                                     spec.startup_allowance_seconds, pod.phase))
+        before = self._not_ready.get(deployment, [])
+        if [(p.pod, p.uid) for p in found] != [(p.pod, p.uid) for p in before]:
+            # Once per change, not once per poll: which pods are coming up (or stuck), and since when.
+            log.info("discovery_not_ready", deployment=deployment, source="kubernetes",
+                     pods=[f"{p.pod} ({p.phase}, not Ready for {max(0.0, now - p.since_seconds):.0f}s)"
+                           for p in found])
+        self._not_ready[deployment] = found

@@ -667,7 +667,9 @@ class WindowHistory:
     def __init__(self, history_seconds: float, slices: int = HISTORY_SLICES,
                  per_slice: int = WINDOWS_PER_SLICE) -> None:
         self.slice_seconds = history_seconds / slices
+        self.slices = slices
         self.per_slice = per_slice
+        self._newest: int | None = None  # the newest slice index seen
         # Per slice index, a heap of (-rank, arrival, window): its root is the highest-ranked kept.
         self._slices: dict[int, list[tuple[int, int, FitWindow]]] = {}
         self._arrivals = itertools.count()
@@ -677,7 +679,15 @@ class WindowHistory:
         return self._size
 
     def add(self, identity: tuple[str, ...], window: FitWindow) -> None:
-        kept = self._slices.setdefault(math.floor(window.end_seconds / self.slice_seconds), [])
+        index = math.floor(window.end_seconds / self.slice_seconds)
+        if self._newest is None or index > self._newest:
+            # A new slice: the ones a whole history older leave now, not at the next refit, so the
+            # history never holds more than MAX_WINDOWS_PER_DEPLOYMENT windows.
+            self._newest = index
+            self._drop_before(index - self.slices)
+        elif index < self._newest - self.slices:
+            return  # older than the history: never fitted
+        kept = self._slices.setdefault(index, [])
         entry = (-_sample_rank(identity, window.end_seconds), next(self._arrivals), window)
         if len(kept) < self.per_slice:
             heapq.heappush(kept, entry)
@@ -687,13 +697,15 @@ class WindowHistory:
 
     def between(self, oldest_seconds: float, newest_seconds: float) -> list[FitWindow]:
         """The windows that ended in [oldest, newest], in time order; slices wholly older are dropped."""
-        first = math.floor(oldest_seconds / self.slice_seconds)
-        for index in [index for index in self._slices if index < first]:
-            self._size -= len(self._slices.pop(index))
+        self._drop_before(math.floor(oldest_seconds / self.slice_seconds))
         windows = [window for kept in self._slices.values() for _, _, window in kept
                    if oldest_seconds <= window.end_seconds <= newest_seconds]
         windows.sort(key=_end_seconds)
         return windows
+
+    def _drop_before(self, first: int) -> None:
+        for index in [index for index in self._slices if index < first]:
+            self._size -= len(self._slices.pop(index))
 
 
 class DeploymentCalibration:
@@ -709,6 +721,8 @@ class DeploymentCalibration:
         self.seed_source = deployment.resolved.bandwidth_source
         self.refit_phase_ratio = refit_phase_ratio
         self.windows = WindowHistory(settings.history_seconds)
+        # Each engine's last window end, to skip a window published again: only the engines of the last
+        # poll (`keep_engines`), so pods that come and go never pile up here.
         self._seen: dict[tuple[str, ...], float] = {}
         self._since_refit = 0
         self._last_refit_seconds: float | None = None
@@ -724,6 +738,16 @@ class DeploymentCalibration:
         self._seen[identity] = window.end_seconds
         self.windows.add(identity, window)
         self._since_refit += 1
+
+    def keep_engines(self, identities: set[tuple[str, ...]]) -> None:
+        """Forget the last window end of every engine but these (the last poll's): an engine absent
+        from a poll comes back with a window that ends later, never the same one again."""
+        for identity in [identity for identity in self._seen if identity not in identities]:
+            del self._seen[identity]
+
+    @property
+    def engines_seen(self) -> int:
+        return len(self._seen)
 
     def windows_for_fit(self, now_seconds: float) -> list[FitWindow]:
         return self.windows.between(now_seconds - self.settings.history_seconds,
@@ -805,12 +829,12 @@ class OnlineCalibrator:
 
     def observe(self, readings: Iterable[Reading], now_seconds: float) -> None:
         with self._lock:
-            for name, windows in windows_from_readings(readings, now_seconds).items():
-                calibration = self.deployments.get(name)
-                if calibration is None:
-                    continue
+            found = windows_from_readings(readings, now_seconds)
+            for name, calibration in self.deployments.items():
+                windows = found.get(name, [])
                 for identity, window in windows:
                     calibration.add(identity, window)
+                calibration.keep_engines({identity for identity, _ in windows})
             for calibration in self.deployments.values():
                 if calibration.due(now_seconds):
                     calibration.refit(now_seconds)
@@ -819,6 +843,13 @@ class OnlineCalibrator:
     def on_poll(self, result: PollResult) -> None:
         """A Poller listener: the poll's readings, at the poll's end."""
         self.observe(result.readings, result.finished_at_seconds)
+
+    def sizes(self) -> tuple[int, int]:
+        """(windows kept, engines remembered) over every deployment: at most MAX_WINDOWS_PER_DEPLOYMENT
+        windows per deployment, and the engines of the last poll."""
+        with self._lock:
+            return (sum(len(c.windows) for c in self.deployments.values()),
+                    sum(c.engines_seen for c in self.deployments.values()))
 
 
 def fitted_step_seconds(seed: model.ServingSetup, windows: Sequence[FitWindow], parameters: Parameters) -> list[float]:

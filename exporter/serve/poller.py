@@ -21,9 +21,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urljoin
 
 import structlog
@@ -36,14 +36,17 @@ from urllib3.util import Timeout, make_headers, parse_url
 
 from exporter import __version__
 from exporter.logs import say_tls_verification_is_off
+from exporter.redaction import redact
 from exporter.serve.config import Config, Deployment, Tls
-from exporter.serve.discovery import Discovery, Target
-from exporter.serve.engines import PageReading, read_page
+from exporter.serve.discovery import Discovery, NotReadyPod, Target
+from exporter.serve.engines import PageReading, read_page, wanted_names
+from exporter.serve.engines.exposition import WantedLines
 from exporter.serve.lean_http import LeanPool, LeanResponse
 from exporter.serve.open_context import OpenContext, open_context
+from exporter.serve.process_identity import ProcessWatch
 from exporter.serve.reading import OpenContexts, Reading, derive_reading, server_wide_reading
 from exporter.serve.snapshot import Snapshot
-from exporter.serve.window import Window, compute_window
+from exporter.serve.window import Window, compute_window, mixed_processes_window
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.background import BackgroundScheduler
@@ -72,6 +75,31 @@ class FetchError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class BasicCredential:
+    """A deployment's basic auth, read for this poll: the `Authorization` header's value."""
+
+    header: str = field(repr=False)
+
+
+# What a deployment's targets are fetched with this poll: a bearer token, basic auth, none, or why not.
+Credential = str | BasicCredential | Exception | None
+
+
+@runtime_checkable
+class AuthorizedFetch(Protocol):
+    """A fetch that sends any `Authorization` header (HttpFetcher): what basic auth needs. A plain Fetch
+    (tests' fakes, the simulated gateway) is called with bearer tokens only."""
+
+    def fetch_authorized(self, url: str, *, authorization: str | None, tls: Tls) -> str: ...
+
+
+def shown_target(target: Target) -> Target:
+    """The target as labels and logs show it: its URL and label without credentials (exporter/redaction.py)."""
+    url, label = redact(target.url), redact(target.target)
+    return target if (url, label) == (target.url, target.target) else replace(target, url=url, target=label)
 
 
 class Fetch(Protocol):
@@ -239,8 +267,8 @@ class HttpFetcher:
         self._clock = clock
         self._timeout = Timeout(connect=timeout_seconds, read=timeout_seconds)
         self._lean_http = lean_http
-        self._pools: dict[tuple[str, str, int | None, bool | str], _Pool] = {}
-        self._routes: dict[tuple[str, bool | str], tuple[_Pool, str, str]] = {}
+        self._pools: dict[tuple[str, str, int | None, Tls], _Pool] = {}
+        self._routes: dict[tuple[str, Tls], tuple[_Pool, str, str]] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -251,11 +279,33 @@ class HttpFetcher:
         for pool in pools:
             pool.close()
 
+    def sizes(self) -> tuple[int, int]:
+        """(pools, routes) cached: those of the URLs last kept (`retain`), each at most
+        MAX_CACHED_REQUESTS + 1 (cleared whole past it)."""
+        with self._lock:
+            return len(self._pools), len(self._routes)
+
+    def retain(self, urls: set[str]) -> None:
+        """Forget the routes of every URL but these (the poll's targets) and close the pools no route
+        uses: a pod that left takes its keep-alive sockets with it, not at the cache's cap."""
+        with self._lock:
+            self._routes = {key: route for key, route in self._routes.items() if key[0] in urls}
+            used = {id(route[0]) for route in self._routes.values()}
+            gone = {key: pool for key, pool in self._pools.items() if id(pool) not in used}
+            for key in gone:
+                del self._pools[key]
+        for pool in gone.values():
+            pool.close()
+
     def __call__(self, url: str, *, bearer_token: str | None, tls: Tls) -> str:
+        return self.fetch_authorized(url, authorization=f"Bearer {bearer_token}" if bearer_token else None, tls=tls)
+
+    def fetch_authorized(self, url: str, *, authorization: str | None, tls: Tls) -> str:
+        """GET `url` with this `Authorization` header value (bearer or basic: config.Auth.authorization)."""
         armed = _WATCHDOG.arm(self.timeout_seconds)
         _fetch_sockets.armed = armed
         try:
-            text = self._fetch(url, bearer_token, tls)
+            text = self._fetch(url, authorization, tls)
         except FetchError:
             if armed.fired:
                 raise FetchError(f"timed out after {self.timeout_seconds:g}s") from None
@@ -267,32 +317,31 @@ class HttpFetcher:
             raise FetchError(f"timed out after {self.timeout_seconds:g}s")
         return text
 
-    def _fetch(self, url: str, bearer_token: str | None, tls: Tls) -> str:
+    def _fetch(self, url: str, authorization: str | None, tls: Tls) -> str:
         deadline = self._clock() + self.timeout_seconds
-        response = self._get(url, bearer_token, tls.verify)
+        response = self._get(url, authorization, tls)
         body = None
+        complete = False
         try:
             if response.status != 200:
                 raise FetchError(f"HTTP {response.status}")
-            declared = response.header("Content-Length")
-            if declared.isdigit() and int(declared) > self.max_response_bytes:
-                raise FetchError(f"response over {self.max_response_bytes} bytes")
-            body = self._read_body(response, deadline)
+            # No refusal on a declared Content-Length: past the cap the families read may still fit.
+            body, complete, notes = self._read_body(response, deadline)
         finally:
-            response.finish(reuse=body is not None)
+            response.finish(reuse=complete)
         # The text exposition format is UTF-8 whatever the header says (Prometheus's exposition_formats
         # spec): never guess ISO-8859-1 for a text/plain without charset, which would garble names.
-        return body.decode("utf-8", errors="replace")
+        text = body.decode("utf-8", errors="replace")
+        return FetchedPage(text, notes) if notes else text
 
-    def _get(self, url: str, bearer_token: str | None, verify: bool | str) -> _Answer:
+    def _get(self, url: str, authorization: str | None, tls: Tls) -> _Answer:
         """The response to GET `url`, after at most MAX_REDIRECTS redirects; errors as FetchError."""
         origin = None
         for _ in range(MAX_REDIRECTS + 1):
-            pool, path, here = self._route(url, verify)
+            pool, path, here = self._route(url, tls)
             origin = origin or here
-            # Like `requests`: the token goes to the target's own host only, never where it redirects.
-            token = bearer_token if here == origin else None
-            response = _send(pool, path, _headers(token), self._timeout)
+            # Like `requests`: credentials go to the target's own host only, never where it redirects.
+            response = _send(pool, path, _headers(authorization if here == origin else None), self._timeout)
             location = response.redirect_location()
             if not location:
                 return response
@@ -300,18 +349,18 @@ class HttpFetcher:
             url = urljoin(url, location)
         raise FetchError(f"more than {MAX_REDIRECTS} redirects")
 
-    def _route(self, url: str, verify: bool | str) -> tuple[_Pool, str, str]:
-        """(pool, request path, origin) for a URL: parsed once per (URL, TLS verify), not per poll."""
-        key = (url, verify)
+    def _route(self, url: str, tls: Tls) -> tuple[_Pool, str, str]:
+        """(pool, request path, origin) for a URL: parsed once per (URL, TLS settings), not per poll."""
+        key = (url, tls)
         route = self._routes.get(key)
         if route is None:
             try:
                 parsed = parse_url(url)
             except LocationValueError as error:
-                raise FetchError(f"request failed: invalid URL {url!r}: {error}") from None
+                raise FetchError(redact(f"request failed: invalid URL {url!r}: {error}")) from None
             if parsed.scheme not in ("http", "https") or not parsed.host:
-                raise FetchError(f"request failed: not an http(s) URL: {url!r}")
-            route = (self._pool(parsed.scheme, parsed.host, parsed.port, verify), parsed.request_uri,
+                raise FetchError(f"request failed: not an http(s) URL: {redact(url)!r}")
+            route = (self._pool(parsed.scheme, parsed.host, parsed.port, tls), parsed.request_uri,
                      f"{parsed.scheme}://{parsed.host}:{parsed.port}")
             with self._lock:
                 if len(self._routes) > MAX_CACHED_REQUESTS:
@@ -319,9 +368,9 @@ class HttpFetcher:
                 self._routes[key] = route
         return route
 
-    def _pool(self, scheme: str, host: str, port: int | None, verify: bool | str) -> _Pool:
-        """One keep-alive pool per (scheme, host, port, TLS verify), as deep as the fetch workers."""
-        key = (scheme, host, port, verify if scheme == "https" else True)
+    def _pool(self, scheme: str, host: str, port: int | None, tls: Tls) -> _Pool:
+        """One keep-alive pool per (scheme, host, port, TLS settings), as deep as the fetch workers."""
+        key = (scheme, host, port, tls if scheme == "https" else Tls())
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
@@ -333,13 +382,24 @@ class HttpFetcher:
                 if scheme == "http" and self._lean_http:
                     pool = LeanPool(host, port, self.timeout_seconds, _track)
                 else:
-                    pool = _new_pool(scheme, host, port, verify, self._timeout)
+                    pool = _new_pool(scheme, host, port, tls, self._timeout)
                 self._pools[key] = pool
         return pool
 
-    def _read_body(self, response: _Answer, deadline: float) -> bytes:
+    def _read_body(self, response: _Answer, deadline: float) -> tuple[bytes, bool, tuple[str, ...]]:
+        """(the body, whether it was read to its end, notes on what was left out).
+
+        Up to `max_response_bytes` the body is kept whole (the scanner looks at the names of the lines
+        it does not read, and no more). Past it, the page goes through WantedLines: only the lines of
+        the families the engine adapters read are kept, and only they and lines of no family count
+        against the cap. If even those pass it, the page is cut there: the families before the cut
+        are read (a note says so), or, with none of them, the fetch fails as before. A page of
+        families the daemon does not read is bounded by the fetch's deadline, not by the cap.
+        """
+        cap = self.max_response_bytes
         chunks: list[bytes] = []
         size = 0
+        wanted: WantedLines | None = None
         while True:
             remaining = deadline - self._clock()
             if remaining <= 0:
@@ -352,11 +412,43 @@ class HttpFetcher:
                     raise FetchError(f"timed out after {self.timeout_seconds:g}s reading the body") from None
                 raise FetchError(f"body read failed: {_short(error)}") from None
             if not chunk:
-                return b"".join(chunks)
+                break
+            if wanted is not None:
+                if not wanted.feed(chunk):
+                    break
+                continue
             size += len(chunk)
-            if size > self.max_response_bytes:
-                raise FetchError(f"response over {self.max_response_bytes} bytes")
             chunks.append(chunk)
+            if size > cap:
+                wanted = WantedLines(wanted_names("auto"), cap)
+                while chunks and wanted.feed(chunks.pop(0)):
+                    pass
+                chunks.clear()
+                if wanted.over:
+                    break
+        if wanted is None:
+            return b"".join(chunks), True, ()
+        if wanted.over and not wanted.kept_any:
+            raise FetchError(f"response over {cap} bytes")
+        if wanted.over:
+            note = (f"page over max_response_bytes ({cap} bytes) even without the families stepbudget does not "
+                    "read: cut there, the families after the cut are missing (raise max_response_bytes)")
+        else:
+            note = (f"page over max_response_bytes ({cap} bytes): only the families stepbudget reads were kept "
+                    f"(the largest family skipped: {wanted.largest_skipped() or 'none'})")
+        return wanted.text(), not wanted.over, (note,)
+
+
+class FetchedPage(str):
+    """A page's text with `notes` on what the fetch left out (past the size cap), which the poller adds
+    to the page's problems: one log line per change, and the reason when the page cannot be read."""
+
+    notes: tuple[str, ...]
+
+    def __new__(cls, text: str, notes: tuple[str, ...] = ()) -> FetchedPage:
+        page = super().__new__(cls, text)
+        page.notes = notes
+        return page
 
 
 class _Urllib3Answer:
@@ -389,23 +481,26 @@ _BASE_HEADERS = {"User-Agent": f"stepbudget/{__version__}", "Accept": "text/plai
                  **make_headers(accept_encoding=True)}
 
 
-def _headers(bearer_token: str | None) -> dict[str, str]:
-    if not bearer_token:
+def _headers(authorization: str | None) -> dict[str, str]:
+    if not authorization:
         return _BASE_HEADERS
-    return {**_BASE_HEADERS, "Authorization": f"Bearer {bearer_token}"}
+    return {**_BASE_HEADERS, "Authorization": authorization}
 
 
-def _new_pool(scheme: str, host: str, port: int | None, verify: bool | str, timeout: Timeout) -> HTTPConnectionPool:
+def _new_pool(scheme: str, host: str, port: int | None, tls: Tls, timeout: Timeout) -> HTTPConnectionPool:
     """A pool whose connections report their sockets to the watchdog; TLS verified unless told not
-    to (the CA file given, else the system's trust store)."""
+    to (the CA file given, else the system's trust store), with the client certificate when one is given."""
     if scheme == "http":
         return _TrackedHTTPPool(host, port, timeout=timeout, maxsize=MAX_FETCH_WORKERS, retries=False)
+    verify = tls.verify
     if verify is False:
         say_tls_verification_is_off(log, f"{host}:{port}" if port else host)  # once: a pool lives with its target
         return _TrackedHTTPSPool(host, port, timeout=timeout, maxsize=MAX_FETCH_WORKERS, retries=False,
-                                 cert_reqs="CERT_NONE", assert_hostname=False)
+                                 cert_reqs="CERT_NONE", assert_hostname=False,
+                                 cert_file=tls.cert_file, key_file=tls.key_file)
     return _TrackedHTTPSPool(host, port, timeout=timeout, maxsize=MAX_FETCH_WORKERS, retries=False,
-                             cert_reqs="CERT_REQUIRED", ca_certs=verify if isinstance(verify, str) else None)
+                             cert_reqs="CERT_REQUIRED", ca_certs=verify if isinstance(verify, str) else None,
+                             cert_file=tls.cert_file, key_file=tls.key_file)
 
 
 def _send(pool: _Pool, path: str, headers: dict[str, str], timeout: Timeout) -> _Answer:
@@ -464,6 +559,8 @@ class TargetState:
     problems: tuple[str, ...] = ()
     # (engine, KV dtype, block size, setup disagreements) as last logged
     page_settings: tuple[tuple[str, str, int, tuple[tuple[str, str, str], ...]], ...] = ()
+    # Whether its pages come from more than one process (exporter/serve/process_identity.py).
+    processes: ProcessWatch = field(default_factory=ProcessWatch)
 
 
 @dataclass(frozen=True)
@@ -472,6 +569,8 @@ class PollResult:
     finished_at_seconds: float
     # Every configured deployment with the targets this poll found for it (0: it watches nothing).
     deployment_targets: tuple[tuple[str, int], ...] = ()
+    # The Kubernetes pods discovery found not Ready (not polled): StepBudgetTargetNotReady's evidence.
+    not_ready: tuple[NotReadyPod, ...] = ()
 
 
 PollListener = Callable[[PollResult], None]
@@ -501,6 +600,8 @@ class Poller:
         self._lock = threading.Lock()
         self._readings: tuple[Reading, ...] = ()
         self._deployment_targets: tuple[tuple[str, int], ...] = ()
+        self._not_ready: tuple[NotReadyPod, ...] = ()
+        self._mixed: frozenset[tuple[str, str]] = frozenset()
         self._polls_done = 0
         self._listeners: list[PollListener] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_FETCH_WORKERS,
@@ -524,6 +625,14 @@ class Poller:
         """Each configured deployment and the targets the last poll found for it (empty before one)."""
         return self._deployment_targets
 
+    def not_ready(self) -> tuple[NotReadyPod, ...]:
+        """The pods the last poll's discovery found not Ready (empty before one, or without Kubernetes)."""
+        return self._not_ready
+
+    def mixed_targets(self) -> frozenset[tuple[str, str]]:
+        """(deployment, target label) of every target whose pages come from more than one process."""
+        return self._mixed
+
     def target_states(self) -> list[TargetState]:
         with self._lock:
             return list(self._states.values())
@@ -532,9 +641,13 @@ class Poller:
 
     def poll_once(self) -> PollResult:
         targets = self._discovery.discover()
+        not_ready = tuple(getattr(self._discovery, "not_ready", tuple)())  # a test's discovery may have none
         answers = self._read_sources()
         found = [*targets, *(outcome.target for answer in answers for outcome in answer.outcomes)]
         self._forget_gone(found)
+        retain = getattr(self._fetch, "retain", None)  # HttpFetcher; a test's fetch may have none
+        if retain is not None:
+            retain({target.url for target in targets})
         counts = dict.fromkeys(self._deployments, 0)
         for target in found:
             counts[target.deployment] += 1
@@ -552,8 +665,12 @@ class Poller:
             # One line, not a traceback per target: a half-finished cycle at shutdown is routine.
             log.info("poll_cycle_abandoned", reason="stopping", targets_not_polled=abandoned)
             return PollResult(self._readings, self._clock(), self._deployment_targets)
-        result = PollResult(tuple(readings), self._clock(), tuple(counts.items()))
+        result = PollResult(tuple(readings), self._clock(), tuple(counts.items()), not_ready)
+        with self._lock:
+            mixed = frozenset((state.target.deployment, state.target.target)
+                              for state in self._states.values() if state.processes.mixed)
         self._readings, self._deployment_targets = result.readings, result.deployment_targets
+        self._not_ready, self._mixed = not_ready, mixed
         self._polls_done += 1
         for listener in self._listeners:
             try:
@@ -563,7 +680,7 @@ class Poller:
         return result
 
     def _poll_targets(self, targets: Sequence[Target],
-                      tokens: dict[str, str | Exception | None]) -> dict[tuple[str, str], list[Reading]]:
+                      tokens: dict[str, Credential]) -> dict[tuple[str, str], list[Reading]]:
         """Every target's readings (_CRASHED for a bug, logged), from workers that take targets off one
         queue; a target missing from the answer was never polled (stop() came first)."""
         queue = collections.deque(targets)
@@ -671,36 +788,65 @@ class Poller:
                 gone = self._states.pop(key)
                 log.info("target_removed", deployment=gone.target.deployment, target=gone.target.target)
             for target in targets:
-                if target.key not in self._states:
-                    self._states[target.key] = TargetState(target)
+                state = self._states.get(target.key)
+                shown = shown_target(target)  # what labels and logs carry: no credential
+                if state is not None and state.target != shown:
+                    # Another pod at the same URL (a new pod given an old one's IP): a new target, with its
+                    # own name on every series and alert, and no window from the old pod's counters.
+                    log.info("target_replaced", deployment=target.deployment, target=target.target,
+                             pod=target.pod, replaced_pod=state.target.pod)
+                    state = None
+                if state is None:
+                    self._states[target.key] = TargetState(shown)
 
-    def _bearer_tokens(self, targets: Sequence[Target]) -> dict[str, str | Exception | None]:
-        """Each deployment's bearer token (or why it cannot be read), read once per poll: a token
-        file is one file for all of a deployment's targets, not one read per target per poll."""
-        tokens: dict[str, str | Exception | None] = {}
+    def _bearer_tokens(self, targets: Sequence[Target]) -> dict[str, Credential]:
+        """Each deployment's bearer token or basic auth (or why it cannot be read), read once per poll: a
+        token or password file is one file for all of a deployment's targets, not one read per target."""
+        tokens: dict[str, Credential] = {}
         for name in {target.deployment for target in targets}:
+            auth = self._deployments[name].auth
             try:
-                tokens[name] = self._deployments[name].auth.bearer_token()
+                tokens[name] = BasicCredential(auth.authorization() or "") if auth.basic_auth else auth.bearer_token()
             except Exception as error:
                 tokens[name] = error
         return tokens
 
-    def _poll_target(self, target: Target, bearer_token: str | Exception | None) -> list[Reading]:
+    def _poll_target(self, target: Target, bearer_token: Credential) -> list[Reading]:
         deployment = self._deployments[target.deployment]
         state = self._states[target.key]
         started = self._monotonic()
         if isinstance(bearer_token, Exception):
             return self._failed(state, _reason(bearer_token), self._monotonic() - started)
         try:
-            text = self._fetch(target.url, bearer_token=bearer_token, tls=deployment.tls)
-            page = self._read_page(text, deployment.kind)
+            text = self._fetch_page(target.url, bearer_token, deployment.tls)
+            page = self._read_fetched(text, deployment.kind)
         except Exception as error:
             return self._failed(state, _reason(error), self._monotonic() - started)
         duration = self._monotonic() - started
         return self._succeeded(state, deployment, page, duration)
 
+    def _fetch_page(self, url: str, credential: str | BasicCredential | None, tls: Tls) -> str:
+        if not isinstance(credential, BasicCredential):
+            return self._fetch(url, bearer_token=credential, tls=tls)
+        if not isinstance(self._fetch, AuthorizedFetch):
+            raise FetchError("basic_auth needs a fetch that sends any Authorization header (HttpFetcher)")
+        return self._fetch.fetch_authorized(url, authorization=credential.header, tls=tls)
+
+    def _read_fetched(self, text: str, kind: str) -> PageReading:
+        """The page read, with what the fetch left out (FetchedPage.notes) among its problems, or in the
+        reason when what is left cannot be read."""
+        notes = text.notes if isinstance(text, FetchedPage) else ()
+        try:
+            page = self._read_page(text, kind)
+        except Exception as error:
+            if notes:
+                raise FetchError(f"{_reason(error)} ({'; '.join(notes)})") from None
+            raise
+        return replace(page, problems=(*page.problems, *notes)) if notes else page
+
     def _failed(self, state: TargetState, reason: str, duration_seconds: float) -> list[Reading]:
         now = self._clock()
+        reason = redact(reason)  # an error's text may hold the URL's query (urllib3 words it so)
         if reason != state.last_error:
             # One line per change of state, not one per poll: a target down for hours is not log spam.
             log.warning("target_down", deployment=state.target.deployment, target=state.target.target,
@@ -741,13 +887,15 @@ class Poller:
         server_wide: dict[str, tuple[list[Reading], Window]] = {}
         # The window's time: from the last good poll, which every engine's previous snapshot is of.
         window_seconds = now - state.last_success_seconds if state.last_success_seconds is not None else None
+        mixed = self._watch_processes(state, page, now)
         for snapshot in page.snapshots:
             identity = (snapshot.model_name, snapshot.engine)
-            window = self._compute_window(state.previous.get(identity), snapshot)
+            window = (mixed_processes_window(state.processes.reason) if mixed
+                      else self._compute_window(state.previous.get(identity), snapshot))
             if window.counter_reset:
                 log.info("counter_reset", deployment=deployment.name, target=target.target,
                          model_name=snapshot.model_name, engine=snapshot.engine, notes=list(window.notes))
-            start_context = state.open_contexts.get(identity) if identity in state.previous else None
+            start_context = state.open_contexts.get(identity) if identity in state.previous and not mixed else None
             end_context = open_context(snapshot, None if window.counter_reset else start_context)
             if end_context is not None:
                 contexts[identity] = end_context
@@ -767,6 +915,18 @@ class Poller:
         state.kind, state.last_error, state.last_success_seconds = kind, None, now
         state.previous, state.readings, state.open_contexts = previous, readings, contexts
         return readings
+
+    def _watch_processes(self, state: TargetState, page: PageReading, now: float) -> bool:
+        """Whether the target's pages come from more than one process (a load-balanced URL): then no
+        window is computed. Logged once per change, not once a poll."""
+        was_mixed = state.processes.mixed
+        mixed = state.processes.observe(state.previous, page.snapshots, state.last_success_seconds)
+        if mixed and not was_mixed:
+            log.warning("target_mixed_processes", deployment=state.target.deployment, target=state.target.target,
+                        reason=state.processes.reason)
+        elif was_mixed and not mixed:
+            log.info("target_single_process", deployment=state.target.deployment, target=state.target.target)
+        return mixed
 
     def _log_page_settings(self, state: TargetState, deployment: Deployment, readings: Iterable[Reading]) -> None:
         """The page's KV dtype, block size and allocated KV bytes per token win over the config

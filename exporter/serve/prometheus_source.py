@@ -60,6 +60,7 @@ import requests
 import structlog
 
 from exporter.logs import say_tls_verification_is_off
+from exporter.redaction import redact
 from exporter.serve.config import Deployment, PrometheusTargets
 from exporter.serve.discovery import Target
 from exporter.serve.engines import PageError, PageReading, PageScan, reading_from_scan, wanted_names
@@ -264,8 +265,10 @@ class PrometheusSource:
         self._monotonic = monotonic
         self._session = session or _session()
         self._keep = keep  # this shard's share of the targets (sharding), or all
+        # The query API's URL as logs and labels show it (exporter/redaction.py: a `?token=` stays out).
+        self._shown_url = redact(self.spec.url)
         if self.spec.tls.insecure_skip_verify:
-            say_tls_verification_is_off(log, self.spec.url)
+            say_tls_verification_is_off(log, self._shown_url)
         self._query = series_query(wanted_names(deployment.kind), self.spec.selector)
         self._targets: dict[ScrapeKey, Target] = {}  # last answer's targets: what a failed query marks down
         self._read_at: dict[ScrapeKey, float] = {}  # scrape time of the last samples read, per target
@@ -279,7 +282,7 @@ class PrometheusSource:
 
     def describe(self) -> dict[str, str]:
         """What the start-up log says about this deployment's mode."""
-        return {"mode": "prometheus", "url": self.spec.url, "selector": self.spec.selector}
+        return {"mode": "prometheus", "url": self._shown_url, "selector": self.spec.selector}
 
     def read(self) -> SourceResult:
         """Every target's outcome; never raises: a failed query is every target's failure."""
@@ -289,7 +292,7 @@ class PrometheusSource:
         except Exception as error:  # QueryError, connection errors, anything: targets go down
             reason = getattr(error, "reason", None)
             reason = reason if isinstance(reason, str) else _connection_reason(error)
-            return SourceResult(self._all_down(f"prometheus {reason}"), self._monotonic() - started)
+            return SourceResult(self._all_down(redact(f"prometheus {reason}")), self._monotonic() - started)
         outcomes = self._outcomes(scraped)
         return SourceResult(tuple(outcomes), self._monotonic() - started)
 
@@ -300,9 +303,9 @@ class PrometheusSource:
 
     def _ask(self) -> list[dict[str, Any]]:
         headers = {"Accept": "application/json"}
-        token = self.spec.auth.bearer_token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        authorization = self.spec.auth.authorization()  # bearer or basic, read now (rotated files work)
+        if authorization:
+            headers["Authorization"] = authorization
         if self.spec.tenant:
             headers["X-Scope-OrgID"] = self.spec.tenant
         deadline = self._monotonic() + self._timeout_seconds
@@ -311,7 +314,8 @@ class PrometheusSource:
         with self._session.post(f"{self.spec.url}/api/v1/query",
                                 data={"query": self._query, "partial_response": "false"},
                                 headers=headers, timeout=(self._connect_timeout_seconds, self._timeout_seconds),
-                                verify=self.spec.tls.verify, stream=True) as response:
+                                verify=self.spec.tls.verify, cert=self.spec.tls.client_cert,
+                                stream=True) as response:
             body = read_body(response, deadline, self.spec.max_response_bytes, self._monotonic)
             return decode_answer(response.status_code, body)
 
@@ -332,8 +336,8 @@ class PrometheusSource:
         targets = {}
         for (job, instance), entry in sorted(scraped.items()):
             label = instance if jobs_per_instance[instance] == 1 else f"{instance}/{job}"
-            url = f"{self.spec.url}/api/v1/query#job={job},instance={instance}"
-            targets[(job, instance)] = Target(self.deployment.name, url, label,
+            url = f"{self._shown_url}/api/v1/query#job={job},instance={instance}"
+            targets[(job, instance)] = Target(self.deployment.name, url, redact(label),
                                               namespace=entry.target_labels.get("namespace"),
                                               pod=entry.target_labels.get("pod"))
         return targets
@@ -418,8 +422,8 @@ class PrometheusSource:
         self._read_at.clear()
         if self._targets:
             return tuple(TargetOutcome(target, error=reason) for target in self._targets.values())
-        label = urlsplit(self.spec.url).netloc or self.spec.url
-        return (TargetOutcome(Target(self.deployment.name, self.spec.url, label), error=reason),)
+        label = urlsplit(self._shown_url).netloc or self._shown_url
+        return (TargetOutcome(Target(self.deployment.name, self._shown_url, label), error=reason),)
 
 
 def torn_gap_seconds(stddev_seconds: float, series: int) -> float:

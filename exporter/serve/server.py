@@ -1,31 +1,54 @@
 """The daemon's HTTP server: /metrics, /-/healthy, /-/ready, a landing page, and a route table.
 
 A small route table (method, path) -> handler lets other modules (admission: `POST /v1/admission`,
-`POST /v1/release`) add endpoints with `register_route` without editing this file.
+`POST /v1/release`) add endpoints with `register_route` without editing this file; a route may say who
+may call it (`authorize`, checked on the headers before any byte of the body is read) and how large
+its body may be.
+
+The transport is uvicorn's h11 server on one asyncio thread, with the limits of
+exporter/serve/guarded_http.py (timeouts, sizes, a connection cap). Handlers are plain functions: the
+probes run on the event loop (they only read a flag), every other handler on a small thread pool, so a
+/metrics render never stalls the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import gzip
 import html
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
 
 import structlog
+import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from exporter import __version__
-from exporter.logs import StructuredHTTPServer
 from exporter.serve.exposition_writer import render_openmetrics, render_text
+from exporter.serve.guarded_http import (
+    BodyRefused,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    ServerLimits,
+    protocol_for,
+    read_body,
+    send_answer,
+)
 
 log = structlog.get_logger("stepbudget.server")
 
-MAX_REQUEST_BODY_BYTES = 1 << 20
+# How long `stop` lets answers in flight finish before it cancels them.
+GRACEFUL_STOP_SECONDS = 2
+# A backlog as deep as uvicorn's: connections the kernel queues while the loop is busy.
+LISTEN_BACKLOG = 2048
 # zlib's default: within a few percent of level 9's size on /metrics pages at a fraction of its time.
 GZIP_LEVEL = 6
 
@@ -48,6 +71,17 @@ class Response:
 
 
 Handler = Callable[[Request], Response]
+# Who may call a route, from the request's headers (lower-cased names) alone: None lets the request in,
+# a Response (401) answers it, before any byte of its body is read.
+Authorize = Callable[[Mapping[str, str]], "Response | None"]
+
+
+@dataclass(frozen=True)
+class Route:
+    handler: Handler
+    authorize: Authorize | None = None
+    max_body_bytes: int | None = None  # None: the server's limit
+    on_loop: bool = False  # runs on the event loop: for handlers that only read a value
 
 
 @dataclass(frozen=True)
@@ -133,51 +167,121 @@ class MetricsPage:
 
 
 class StepBudgetServer:
-    """Serves the registry and the routes; `ready()` says whether the first poll finished."""
+    """Serves the registry and the routes; `ready()` says whether the first poll finished.
+
+    The listening socket is bound here (a port in use fails the daemon's start, and `port` is known at
+    once); `start` serves it from a thread of its own, `stop` closes everything it opened."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, *,
-                 ready: Callable[[], bool], targets: Callable[[], list[TargetRow]] = list) -> None:
+                 ready: Callable[[], bool], targets: Callable[[], list[TargetRow]] = list,
+                 limits: ServerLimits | None = None) -> None:
         self._registry = registry
         self.metrics_page = MetricsPage(registry)
         self._ready = ready
         self._targets = targets
-        self.routes: dict[tuple[str, str], Handler] = {
-            ("GET", "/metrics"): self._metrics,
-            ("GET", "/-/healthy"): lambda request: Response(200, b"OK\n"),
-            ("GET", "/-/ready"): self._ready_route,
-            ("GET", "/"): self._landing,
+        self.limits = limits or ServerLimits()
+        self.routes: dict[tuple[str, str], Route] = {
+            ("GET", "/metrics"): Route(self._metrics),
+            ("GET", "/-/healthy"): Route(lambda request: Response(200, b"OK\n"), on_loop=True),
+            ("GET", "/-/ready"): Route(self._ready_route, on_loop=True),
+            ("GET", "/"): Route(self._landing),
         }
-        self._httpd = StructuredHTTPServer((host, port), _make_handler(self))
+        self._socket = _listen(host, port)
+        config = uvicorn.Config(
+            self._asgi, http=protocol_for(self.limits), ws="none", lifespan="off", interface="asgi3",
+            loop="asyncio", log_config=None, access_log=False, proxy_headers=False, server_header=False,
+            headers=[("server", f"stepbudget/{__version__}")],
+            limit_concurrency=self.limits.max_connections + 1,  # uvicorn counts the asking connection too
+            timeout_keep_alive=self.limits.keep_alive_seconds,
+            h11_max_incomplete_event_size=self.limits.max_header_bytes,
+            timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS, backlog=LISTEN_BACKLOG,
+        )
+        self._uvicorn = uvicorn.Server(config)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return int(self._socket.getsockname()[1])
 
     @property
     def registry(self) -> CollectorRegistry:
         """The served registry, for extensions that add a collector (admission)."""
         return self._registry
 
-    def register_route(self, method: str, path: str, handler: Handler) -> None:
-        """Add an endpoint, e.g. `register_route("POST", "/v1/admission", handle)`."""
+    def open_connections(self) -> int:
+        """Connections open now (served, or waiting for their head or their 503)."""
+        return len(self._uvicorn.server_state.connections)
+
+    def register_route(self, method: str, path: str, handler: Handler, *, authorize: Authorize | None = None,
+                       max_body_bytes: int | None = None) -> None:
+        """Add an endpoint, e.g. `register_route("POST", "/v1/admission", handle, authorize=check)`:
+        `authorize` sees the headers before the body is read; `max_body_bytes` caps the body (413)."""
         key = (method.upper(), path)
         if key in self.routes:
             raise ValueError(f"route {method} {path} is already registered")
-        self.routes[key] = handler
+        self.routes[key] = Route(handler, authorize, max_body_bytes)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.limits.handler_threads,
+                                                               thread_name_prefix="stepbudget-http-handler")
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
                                         name="stepbudget-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop serving and free the port; safe whether or not `start` was called."""
+        """Stop serving and free the port; safe whether or not `start` was called, and twice."""
         if self._thread is not None:
-            self._httpd.shutdown()  # waits for serve_forever to return: only if it runs
-            self._thread.join(timeout=5)
+            self._uvicorn.should_exit = True  # uvicorn's loop checks it every 0.1 s, then closes everything
+            self._thread.join(timeout=GRACEFUL_STOP_SECONDS + 5)
             self._thread = None
-        self._httpd.server_close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._socket.close()
+
+    # --- the ASGI application -----------------------------------------------------------------------
+
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan, no websockets: uvicorn is told so, nothing else arrives
+        method, path = str(scope["method"]), str(scope["path"])
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        route = self.routes.get((method, path))
+        if route is None:
+            known = any(route_path == path for _, route_path in self.routes)
+            await self._answer(send, Response(405 if known else 404,
+                                              b"Method not allowed\n" if known else b"Not found\n"), close=True)
+            return
+        if route.authorize is not None:
+            refusal = route.authorize(headers)
+            if refusal is not None:  # the body is never read: the connection closes after the answer
+                await self._answer(send, refusal, close=True)
+                return
+        limit = self.limits.max_body_bytes if route.max_body_bytes is None else route.max_body_bytes
+        try:
+            body = await read_body(receive, headers, limit, self.limits.body_timeout_seconds)
+        except BodyRefused as refused:
+            await self._answer(send, Response(refused.status, refused.text.encode()), close=True)
+            return
+        except Disconnected:
+            return
+        query = bytes(scope.get("query_string", b"")).decode("latin-1")
+        request = Request(method, path, query, headers, body)
+        if route.on_loop:
+            response = _handle(route.handler, request)
+        else:
+            executor = self._executor
+            if executor is None:  # stopping
+                return
+            response = await asyncio.get_running_loop().run_in_executor(executor, _handle, route.handler, request)
+        await self._answer(send, response)
+
+    async def _answer(self, send: Send, response: Response, *, close: bool = False) -> None:
+        headers = [(b"content-type", response.content_type.encode("latin-1"))]
+        headers += [(name.lower().encode("latin-1"), value.encode("latin-1"))
+                    for name, value in response.headers.items()]
+        await send_answer(send, response.status, response.body, headers, self.limits.write_chunk_bytes, close=close)
 
     # --- built-in routes ------------------------------------------------------------------------
 
@@ -208,51 +312,17 @@ class StepBudgetServer:
         return Response(200, page.encode(), "text/html; charset=utf-8")
 
 
-def _make_handler(server: StepBudgetServer) -> type[BaseHTTPRequestHandler]:
-    class _Handler(BaseHTTPRequestHandler):
-        server_version = f"stepbudget/{__version__}"
-        protocol_version = "HTTP/1.1"
-        # Headers and body go out in two writes; with Nagle on, the body waits for the client's
-        # delayed ACK (40 ms on Linux) on every keep-alive request. TCP_NODELAY sends it at once.
-        disable_nagle_algorithm = True
+def _handle(handler: Handler, request: Request) -> Response:
+    try:
+        return handler(request)
+    except Exception:
+        log.exception("http_handler_failed", method=request.method, path=request.path)
+        return Response(500, b"Internal error\n")
 
-        def do_GET(self) -> None:
-            self._dispatch("GET")
 
-        def do_POST(self) -> None:
-            self._dispatch("POST")
-
-        def _dispatch(self, method: str) -> None:
-            path, _, query = self.path.partition("?")
-            handler = server.routes.get((method, path))
-            if handler is None:
-                known = any(route_path == path for _, route_path in server.routes)
-                self._send(Response(405 if known else 404, b"Method not allowed\n" if known else b"Not found\n"))
-                return
-            length_text = self.headers.get("Content-Length", "0") or "0"
-            length = int(length_text) if length_text.isdigit() else -1
-            if length < 0 or length > MAX_REQUEST_BODY_BYTES:
-                self._send(Response(413, b"Request body too large or malformed\n"))
-                return
-            body = self.rfile.read(length) if length else b""
-            request = Request(method, path, query, {k.lower(): v for k, v in self.headers.items()}, body)
-            try:
-                response = handler(request)
-            except Exception:
-                log.exception("http_handler_failed", method=method, path=path)
-                response = Response(500, b"Internal error\n")
-            self._send(response)
-
-        def _send(self, response: Response) -> None:
-            self.send_response(response.status)
-            self.send_header("Content-Type", response.content_type)
-            self.send_header("Content-Length", str(len(response.body)))
-            for name, value in response.headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(response.body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass  # scrapes every 15 s would flood the log; failures are logged by the handlers
-
-    return _Handler
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket (IPv4 unless the host is an IPv6 literal; "" is every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets on Linux
+    return sock

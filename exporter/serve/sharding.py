@@ -26,7 +26,7 @@ from exporter.errors import InputError
 
 if TYPE_CHECKING:
     from exporter.serve.config import Config
-    from exporter.serve.discovery import Target
+    from exporter.serve.discovery import NotReadyPod, Target
 
 log = structlog.get_logger("stepbudget.sharding")
 
@@ -117,6 +117,14 @@ class ShardedDiscovery:
             log.info("shard_targets", shard=str(self.shard), polled=counts[0], discovered=counts[1])
             self._last_counts = counts
         return mine
+
+    def not_ready(self) -> list[NotReadyPod]:
+        """This shard's share of the pods not Ready yet (by namespace/pod): each is reported, and
+        warned about, by one shard; Prometheus's `max without (instance, job)` sees them all."""
+        pods: list[NotReadyPod] = getattr(self._discovery, "not_ready", list)()
+        if self.shard.count == 1:
+            return list(pods)
+        return [pod for pod in pods if shard_of(f"{pod.namespace}/{pod.pod}", self.shard.count) == self.shard.index]
 
 
 # --- config: the `shard` section (listed by config.top_level_keys) --------------------------------

@@ -129,6 +129,12 @@ class Snapshot:
     # KV bytes per token the server allocated, where its page says both the KV memory and the tokens it
     # holds (vLLM's cache_config_info kv_cache_memory_bytes / kv_cache_size_tokens): what it really runs.
     kv_cache_bytes_per_token: float | None = None
+    # Which process wrote the page (exporter/serve/process_identity.py): the page's
+    # process_start_time_seconds, and the `_created` value of this engine's generation-token counter
+    # (when the process created it; prometheus_client writes it in single-process mode). Unix seconds,
+    # the server's clock; None where the page has neither (SGLang, TGI, multiprocess mode).
+    process_start_seconds: float | None = None
+    created_seconds: float | None = None
     missing: tuple[str, ...] = field(default_factory=tuple)
     # Fields that hold one server-wide figure rather than this engine's own (SGLang's tokenizer-side
     # ITL histogram and token counters under --dp-size carry no dp_rank).

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from exporter.serve.process_identity import other_process
 from exporter.serve.snapshot import Histogram, Snapshot
 
 _SUM_WOBBLE = 1e-9
@@ -619,6 +620,9 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         return _empty(False, "first poll: no window yet")
     if (previous.kind, previous.model_name, previous.engine) != (current.kind, current.model_name, current.engine):
         return _empty(False, "snapshots are of different engines: no window")
+    restarted = other_process(previous, current)
+    if restarted is not None:  # a new process: its counters do not continue the old one's, whichever is larger
+        return _empty(True, f"server restarted (another process wrote the page: {restarted}): no window")
     backwards = _went_backwards(previous, current)
     if backwards:
         return _empty(True, f"counter reset (server restart?): {', '.join(backwards)} went backwards")
@@ -667,6 +671,12 @@ def compute_window(previous: Snapshot | None, current: Snapshot) -> Window:
         prompt_tokens_computed=prompt.computed,
         time_to_first_token_mean_seconds=_mean_of(previous.time_to_first_token, current.time_to_first_token),
     )
+
+
+def mixed_processes_window(reason: str) -> Window:
+    """No window: the target's pages come from more than one process (process_identity.ProcessWatch),
+    and deltas between two processes' counters measure nothing. Not a counter reset."""
+    return _empty(False, reason)
 
 
 def _mean_of(previous: Histogram | None, current: Histogram | None) -> float | None:

@@ -71,7 +71,11 @@ DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sle
                                                           "stepbudget_prefill_capacity_tokens_per_second",
                                                           "stepbudget_prefill_utilization_ratio",
                                                           "stepbudget_measured_time_to_first_token_seconds",
-                                                          "stepbudget_target_role_info"})
+                                                          "stepbudget_target_role_info",
+                                                          # issue 35: discovery's lifecycle, one process per target
+                                                          "stepbudget_target_not_ready_since_timestamp_seconds",
+                                                          "stepbudget_target_startup_allowance_seconds",
+                                                          "stepbudget_target_mixed_processes"})
 # Written by Prometheus itself for every scrape target.
 PROMETHEUS_METRICS: frozenset[str] = frozenset({"up"})
 

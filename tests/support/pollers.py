@@ -20,7 +20,8 @@ MakePoller = Callable[..., "Poller"]
 
 def scrape(config: Config, poller: Poller) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The collector's exposition, parsed back: sample name -> [(labels, value)]."""
-    text = generate_latest(make_registry(poller.readings, config.deployments, poller.deployment_targets)).decode()
+    text = generate_latest(make_registry(poller.readings, config.deployments, poller.deployment_targets,
+                                         poller.not_ready, poller.mixed_targets)).decode()
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

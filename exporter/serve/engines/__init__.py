@@ -6,11 +6,13 @@ a page that cannot be used is a failed poll of that target, never a crash of the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from exporter.serve.engines import sglang, tgi, vllm
 from exporter.serve.engines.exposition import PageError, PageScan, scan_page
 from exporter.serve.engines.families import (
+    PROCESS_START,
     Adapter,
     Identity,
     Plan,
@@ -75,6 +77,7 @@ def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], 
     who_all, selection = _selection(adapter, scan)
     if adapter.finish is not None:
         adapter.finish(scan, selection, who_all)
+    started = _process_start(scan)
     snapshots = []
     for who in who_all:
         values = selection.values[who]
@@ -86,10 +89,17 @@ def _snapshots(adapter: Adapter, scan: PageScan) -> tuple[tuple[Snapshot, ...], 
                 engine=who[1],
                 missing=tuple(f"{name}: {why}" for name, why in missing.items()),
                 server_wide=tuple(sorted(selection.server_wide[who])),
+                process_start_seconds=started,
                 **values,  # type: ignore[arg-type]  # the selection holds each field under its own name and type
             )
         )
     return tuple(snapshots), selection.problems
+
+
+def _process_start(scan: PageScan) -> float | None:
+    """The page's process_start_time_seconds: one value, or None (absent, unusable, or several processes)."""
+    found = {value for _, value in scan.samples.get(PROCESS_START, ()) if math.isfinite(value) and value > 0}
+    return found.pop() if len(found) == 1 else None
 
 
 def _read(text: str | bytes, kind: str) -> PageReading:

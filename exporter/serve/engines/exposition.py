@@ -337,3 +337,130 @@ def histogram_from_samples(
     if counts[-1] != count:
         return None, f"+Inf bucket {counts[-1]:g} differs from _count {count:g}"
     return Histogram(buckets=tuple(ordered), count=count, sum=total), ""
+
+
+# --- past the size cap: the wanted families only ----------------------------------------------------
+
+_NAME_BYTES = re.compile(rb"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_FAMILY_COMMENT = re.compile(rb"#[ \t]+(?:HELP|TYPE|UNIT)[ \t]+([a-zA-Z_:][a-zA-Z0-9_:]*)")
+_AFTER_NAME = frozenset(b"{ \t")
+MAX_FAMILY_COMMENT_HEAD = 512  # `# HELP ` and a name: no real name comes near it
+
+
+class WantedLines:
+    """A page's sample lines of the `wanted` names, kept as the page streams in, the rest dropped unread.
+
+    What a page grows by is series of families the daemon does not read (vLLM's `vllm:lora_requests_info`
+    gains one for every ordering of adapter names and never loses one: docs/engines.md, "LoRA"). Past
+    the fetch's size cap (poller.HttpFetcher) the page goes through here: only the kept lines and the
+    lines that belong to no family (comments other than HELP/TYPE/UNIT, blank or malformed lines:
+    what an endless stream of junk is made of) count against `limit`. A sample line of another family,
+    or its HELP/TYPE/UNIT line, costs a look at its name and is dropped, however long; its bytes are
+    tallied per family (`skipped`) to say which family made the page large. Once the counted bytes
+    pass `limit`, `over` is set and nothing more is taken: the lines kept so far are the families that
+    came before the cut. Bytes, not text: names are ASCII, and the page is decoded once, kept lines only.
+    """
+
+    def __init__(self, wanted: frozenset[str], limit: int) -> None:
+        self._wanted = frozenset(name.encode("ascii") for name in wanted)
+        self._limit = limit
+        self._kept: list[bytes] = []
+        self.counted = 0  # bytes kept plus bytes of lines that belong to no family
+        self.over = False
+        self.skipped: dict[str, int] = {}  # bytes dropped per family name
+        self._partial = b""  # the start of a line whose verdict needs more of it
+        self._dropping: str | None = None  # the rest of a line being dropped: its family, or "" for junk
+
+    @property
+    def kept_any(self) -> bool:
+        return bool(self._kept)
+
+    def text(self) -> bytes:
+        """The kept lines, each with its newline."""
+        return b"".join(self._kept)
+
+    def largest_skipped(self) -> str | None:
+        others = {name: size for name, size in self.skipped.items() if name.encode("ascii") not in self._wanted}
+        return max(others, key=lambda name: others[name]) if others else None
+
+    def feed(self, data: bytes) -> bool:
+        """Takes the next piece of the page; False once `over` (stop reading)."""
+        if self.over:
+            return False
+        if self._dropping is not None:
+            end = data.find(b"\n")
+            self._drop(self._dropping, len(data) if end < 0 else end + 1)
+            if end < 0 or self.over:
+                return not self.over
+            self._dropping = None
+            data = data[end + 1:]
+        if self._partial:
+            data, self._partial = self._partial + data, b""
+        end = data.rfind(b"\n")
+        if end >= 0:
+            lines = data[:end].split(b"\n")
+            data = data[end + 1:]
+            for line in lines:
+                self._judge(line)
+                if self.over:
+                    return False
+        if data:
+            self._judge_start(data)
+        return not self.over
+
+    def _judge(self, line: bytes) -> None:
+        """One whole line (its newline taken off): kept, dropped for its family, or counted as junk."""
+        family = self._family(line, whole=True)
+        if family is None:
+            self._count(len(line) + 1)
+            if not self.over:
+                self._kept.append(line + b"\n")
+        else:
+            self._drop(family, len(line) + 1)
+
+    def _judge_start(self, start: bytes) -> None:
+        """The start of a line whose newline has not come yet: dropped from here if its verdict is known."""
+        family = self._family(start, whole=False)
+        if family is None:  # wanted, or not known yet: held (and counted) until its end
+            if self.counted + len(start) > self._limit:
+                self.over = True
+            else:
+                self._partial = start
+        else:
+            self._dropping = family
+            self._drop(family, len(start))
+
+    def _family(self, line: bytes, *, whole: bool) -> str | None:
+        """None for a line to keep (or, not `whole`, not decided yet); else the family it is dropped
+        for: its name, or "" for a line of no family (junk, counted)."""
+        text = line.lstrip(b" \t") if line[:1] in (b" ", b"\t") else line
+        if not text:
+            return "" if whole else None
+        if text[:1] == b"#":
+            comment = _FAMILY_COMMENT.match(text)
+            if comment is not None and (comment.end() < len(text) or whole):
+                return comment.group(1).decode("ascii")
+            # A start that may still become `# HELP name ...` is held; past MAX_FAMILY_COMMENT_HEAD bytes
+            # without a whole name it never will.
+            return "" if whole or len(text) > MAX_FAMILY_COMMENT_HEAD else None
+        match = _NAME_BYTES.match(text)
+        if match is None:
+            return ""
+        end = match.end()
+        if end == len(text):
+            return "" if whole else None
+        if text[end] not in _AFTER_NAME:
+            return ""
+        name = match.group()
+        return None if name in self._wanted else name.decode("ascii")
+
+    def _drop(self, family: str, size: int) -> None:
+        if family:
+            self.skipped[family] = self.skipped.get(family, 0) + size
+        else:
+            self._count(size)
+
+    def _count(self, size: int) -> None:
+        self.counted += size
+        if self.counted > self._limit:
+            self.over = True

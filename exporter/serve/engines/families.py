@@ -24,6 +24,9 @@ from exporter.serve.engines.exposition import Labels, PageScan, histogram_from_s
 from exporter.serve.snapshot import Histogram
 
 Kind = Literal["gauge", "counter", "histogram"]
+# The page's own process collector: when the process that wrote the page started (read for every
+# engine kind, Snapshot.process_start_seconds; exporter/serve/process_identity.py).
+PROCESS_START = "process_start_time_seconds"
 Identity = tuple[str, str]  # (model_name, engine)
 Pairs = tuple[tuple[str, str], ...]  # label (name, value) pairs
 
@@ -316,7 +319,7 @@ class Adapter:
 
     @cached_property
     def _wanted(self) -> frozenset[str]:
-        return frozenset(self._sample_names + self.extra_names)
+        return frozenset(self._sample_names + self.extra_names + (PROCESS_START,))
 
     def sample_names(self) -> tuple[str, ...]:
         return self._sample_names

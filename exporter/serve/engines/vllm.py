@@ -92,6 +92,9 @@ SPECS = (
                optional=True),
     FamilySpec("spec_decode_accepted_tokens_total", ("vllm:spec_decode_num_accepted_tokens_total",), "counter",
                optional=True),
+    # When the process created the engine's generation-token counter (prometheus_client's `_created`,
+    # single-process mode): which process wrote the page (exporter/serve/process_identity.py).
+    FamilySpec("created_seconds", ("vllm:generation_tokens_created",), "gauge", optional=True),
 )
 
 
