@@ -1,6 +1,6 @@
 """The online fit judged as a predictor: on load shapes drawn from fresh seeds, on a real vLLM 0.32.0 (CPU backend).
 
-Issue 34: `benchmarks/real_vllm_online.py` reads 3-4% on its own phased load; a user's load is not that load.
+`benchmarks/real_vllm_online.py` scores its own phased load; a user's load is not that load.
 Here each shape comes from `exporter/real_vllm/shapes.py` (arrivals, lengths, chats with long sessions joining,
 shared system prompts, long unique prompts, ...), drawn from a seed, so a run can be repeated and a new seed is a
 load nobody tuned to. For each shape a fresh `stepbudget serve` starts from an uncalibrated description of this

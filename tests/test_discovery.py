@@ -210,7 +210,7 @@ def test_label_selector_parsing() -> None:
         parse_label_selector("app=vllm,=oops")
 
 
-# --- Kubernetes: lifecycle and identity (issue 35) ------------------------------------------------------
+# --- Kubernetes: lifecycle and identity -------------------------------------------------------------
 #
 # Times: the pods' API timestamps are ISO strings; 2027-01-15T08:00:00Z is Unix 1,800,000,000 (the
 # ManualClock's start), so 08:02:00Z is 1,800,000,120 and 08:05:00Z is 1,800,000,300.

@@ -1,4 +1,4 @@
-"""One process per target (issue 35): a URL whose pages come from more than one process is reported as
+"""One process per target: a URL whose pages come from more than one process is reported as
 mixed (a log line, stepbudget_target_mixed_processes 1, a note) and no window is computed from the mix;
 a process that started after the previous poll is a restart (that window measures nothing).
 

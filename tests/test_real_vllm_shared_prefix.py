@@ -1,5 +1,5 @@
 """Prefix sharing, a prefill-only server, and a config that says the wrong dtype, on a running vLLM 0.32.0
-(CPU backend), checked against what the clients themselves know (issue 33).
+(CPU backend), checked against what the clients themselves know.
 
 Two real servers, one after the other, each stopped before the next starts (tests/support/real_vllm.py):
 
@@ -352,13 +352,13 @@ def test_the_fit_predicts_the_control_it_never_saw(runs: Runs) -> None:
 
 def test_a_shared_prefix_step_lies_between_the_memory_held_and_the_whole_contexts(runs: Runs) -> None:
     """The shared phase with the same rates, the online fit off: the sharing is read off the page, never
-    learned. Issue 33 asks for the step within 10% of the measured one here; on this CPU it is not: reading a
+    learned. Within 10% of the measured step is what a user would want here; on this CPU it is not: reading a
     block 16 requests share costs it about a third of reading 16 blocks of their own (its 480 MiB L3 holds
     the shared 11.5 MiB a layer), so 16 x ~3,256 tokens with a 3,000-token prefix shared stepped 75-93 ms
     where the same contexts all unique stepped 180-215 ms (four runs on 2026-12-05: whole contexts +118% to
     +153%, memory held -27% to -33%). What holds, and what this checks window by window: the prediction from
     each request's whole context (what the daemon exports) is above the measured step, so the page fires
-    early rather than late, and the prediction from the memory held (what the code before issue 33 read) is
+    early rather than late, and the prediction from the memory held (what a reading of KV usage gives) is
     below it. docs/model.md, "Prefix caching", says what the model does not know."""
     run = runs.shared
     streams = _phase_streams(run, SHARED)

@@ -35,12 +35,12 @@ DESIGN_ALERTS = {
     "StepBudgetMeasuredStepOverBudget",
     "StepBudgetPredictionDrift",
     "StepBudgetPrefillInterference",
-    "StepBudgetPrefillOverCapacity",  # issue 33: a prefill-only server's budget (not in DESIGN §3's list yet)
+    "StepBudgetPrefillOverCapacity",  # a prefill-only server's budget (not in DESIGN §3's list yet)
     "StepBudgetKVCacheNearlyFull",
     "StepBudgetPreemptions",
     "StepBudgetTargetDown",
     "StepBudgetNoTargets",
-    "StepBudgetTargetNotReady",  # issue 35: a Kubernetes pod not Ready past its startup allowance
+    "StepBudgetTargetNotReady",  # a Kubernetes pod not Ready past its startup allowance
     "StepBudgetExporterAbsent",
 }
 # Request counts say nothing about step time; no alert may read them.

@@ -47,7 +47,7 @@ PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "s
                   "stepbudget_deployment_targets"}
 NOT_PER_TARGET = PER_DEPLOYMENT | {"stepbudget_build_info", "stepbudget_admission_decisions_total",
                                    "stepbudget_admitted_tokens",
-                                   # per Kubernetes pod not Ready / per deployment (issue 35)
+                                   # per Kubernetes pod not Ready / per deployment
                                    "stepbudget_target_not_ready_since_timestamp_seconds",
                                    "stepbudget_target_startup_allowance_seconds"}
 # Labels a per-target family carries beyond the target's.

@@ -1,6 +1,6 @@
 """Load shapes drawn from a seed for a real engine, and a player that runs one through the load generator.
 
-Why: a predictor is judged on loads it was never tuned on (issue 34). A shape is drawn from a seed, so a
+Why: a predictor is judged on loads it was never tuned on. A shape is drawn from a seed, so a
 run can be repeated exactly (the same seed, the same shape, field for field) and a new seed gives a load
 no one chose. Each shape is one of a few kinds (`shape_kinds()`): synchronized or staggered closed-loop
 lanes, chats that long sessions join with nothing in between, open-loop Poisson arrivals of fixed or

@@ -62,8 +62,8 @@ DAEMON_METRICS: frozenset[str] = frozenset(
 )
 # Exported by the daemon (exporter/serve/collector.py) but not (yet) in DESIGN.md §3's list: the page
 # rule reads the sleep gauge to release its hold on a sleeping engine, StepBudgetNoTargets the targets
-# each deployment has; the dashboards the KV shared by prefix caching and a prefill server's budget (issue
-# 33), which StepBudgetPrefillOverCapacity alerts on.
+# each deployment has; the dashboards the KV shared by prefix caching and a prefill server's budget,
+# which StepBudgetPrefillOverCapacity alerts on.
 DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sleeping",
                                                           "stepbudget_deployment_targets",
                                                           "stepbudget_kv_cache_shared_ratio",
@@ -72,7 +72,7 @@ DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sle
                                                           "stepbudget_prefill_utilization_ratio",
                                                           "stepbudget_measured_time_to_first_token_seconds",
                                                           "stepbudget_target_role_info",
-                                                          # issue 35: discovery's lifecycle, one process per target
+                                                          # discovery's lifecycle, one process per target
                                                           "stepbudget_target_not_ready_since_timestamp_seconds",
                                                           "stepbudget_target_startup_allowance_seconds",
                                                           "stepbudget_target_mixed_processes"})
