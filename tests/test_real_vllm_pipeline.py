@@ -28,6 +28,7 @@ from exporter.serve.reading import page_setup
 from tests.support.client_truth import (
     blocks,
     check_an_exact_poll_in_each,
+    check_kv_used,
     check_running_and_waiting,
     check_tokens_in_flight,
 )
@@ -115,14 +116,17 @@ def test_capacity_is_the_figure_vllm_logged_at_start(run: Run) -> None:
 
 
 def test_tokens_in_flight_within_two_percent_of_what_the_clients_hold(run: Run) -> None:
-    """Every poll of the story's phases lies within 2% of the clients' bounds (tests/support/client_truth.py);
-    where every request is settled the bounds are one figure's block rounding apart, and such polls exist
-    with 4 chats and with 16, the long sessions' phase included: 16 chats start or end about once a second,
-    each unsettled 0.6 s or more about either, so few polls of 16 chats have them all settled: 1 of
-    chat16's 7 and 2 of chat16+long's 8 in the recorded CI run, none and 1 in another CI run. Not the
-    overload phase: a waiting request there may be one the engine preempted (its own test)."""
+    """Every poll of the story's phases has its tokens in flight (the request counters' open context)
+    within 2% of the clients' prompts and tokens received, and its KV used within 2% of their blocks
+    (tests/support/client_truth.py); where every request is settled the context bounds are one figure
+    and the block bounds one figure's block rounding apart, and such polls exist with 4 chats and with 16,
+    the long sessions' phase included: 16 chats start or end about once a second, each unsettled 0.6 s or
+    more about either, so few polls of 16 chats have them all settled: 1 of chat16's 7 and 2 of
+    chat16+long's 8 in the recorded CI run, none and 1 in another CI run. Not the overload phase: a
+    waiting request there may be one the engine preempted (its own test)."""
     exact_phases = check_tokens_in_flight(run.polls, run.load.streams, STORY_PHASES)
     check_an_exact_poll_in_each(exact_phases, ("chat4",), SIXTEEN_CHATS)
+    check_an_exact_poll_in_each(check_kv_used(run.polls, run.load.streams, STORY_PHASES), ("chat4",), SIXTEEN_CHATS)
 
 
 def test_running_and_waiting_are_the_requests_the_clients_have_outstanding(run: Run) -> None:

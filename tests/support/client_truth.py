@@ -1,5 +1,10 @@
 """What the clients of a real vLLM know, set beside what the daemon read of its page: the bounds the
-real-engine tests hold each poll's tokens in flight and request counts to.
+real-engine tests hold each poll's tokens in flight, KV used and request counts to.
+
+Two figures, two truths. Tokens in flight are each open request's whole context, read from the request
+counters (exporter/serve/open_context.py): the clients' prompt plus every token generated, to the token.
+KV used is the blocks the cache holds: a request's context rounded up to whole blocks, which the daemon
+reads from the usage ratio and takes half a block off per request.
 
 Shared by the live run (tests/test_real_vllm_pipeline.py) and the runs recorded from it
 (tests/test_real_vllm_recorded.py, tests/data/real-vllm-runs/), so a CI run that failed is kept and
@@ -11,7 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,7 +69,27 @@ def unsettled(stream: Stream, at_seconds: float, margin_seconds: float = MARGIN_
             or stalled_about(stream, at_seconds, margin_seconds))
 
 
-def held_tokens_bounds(streams: Sequence[Stream], at_seconds: float) -> tuple[float, float]:
+def context_bounds(streams: Sequence[Stream], at_seconds: float) -> tuple[float, float]:
+    """The open requests' whole context as the clients know it: each running request's prompt and the
+    tokens that reached it. A request the clients cannot place (`unsettled`) may be counted with none of
+    its context (not yet past its prefill, or already finished) or with all it may have by then (a
+    stalled stream: every token it will ever make); the truth is taken MARGIN_SECONDS either side."""
+    low = high = 0
+    early_seconds, late_seconds = at_seconds - MARGIN_SECONDS, at_seconds + MARGIN_SECONDS
+    for stream in streams:
+        if not (stream.running_at(early_seconds) or stream.running_at(late_seconds)):
+            continue
+        early, late = stream.tokens_held_at(early_seconds), stream.tokens_held_at(late_seconds)
+        if unsettled(stream, at_seconds):
+            generated = stream.max_tokens if stalled_about(stream, at_seconds) else stream.generated_by(late_seconds)
+            high += max(early, late, stream.prompt_tokens + generated)
+        else:
+            low += min(early, late)
+            high += max(early, late)
+    return float(low), float(high)
+
+
+def kv_used_bounds(streams: Sequence[Stream], at_seconds: float) -> tuple[float, float]:
     """What the page's used blocks may say, worked out from the clients: each running request holds
     ceil(context / 128) blocks, and the daemon takes (128 - 1) / 2 of each last block as empty (once
     per request the page counts as running). A request the clients cannot place (just starting, in
@@ -95,8 +120,21 @@ def held_tokens_bounds(streams: Sequence[Stream], at_seconds: float) -> tuple[fl
 
 
 def check_tokens_in_flight(polls: Sequence[Polled], streams: Sequence[Stream], phases: Sequence[str]) -> list[str]:
-    """Every poll of these phases lies within 2% of the clients' bounds. Returns the phases of the polls
-    where every request was settled (the bounds then one figure's block rounding apart)."""
+    """Every poll of these phases has its tokens in flight within 2% of the clients' context bounds
+    (`context_bounds`). Returns the phases of the polls where every request was settled (the bounds
+    then one figure)."""
+    return _check_figure(polls, streams, phases, "tokens_in_flight", context_bounds)
+
+
+def check_kv_used(polls: Sequence[Polled], streams: Sequence[Stream], phases: Sequence[str]) -> list[str]:
+    """Every poll of these phases has its KV used within 2% of the clients' block bounds
+    (`kv_used_bounds`). Returns the phases of the polls where every request was settled (the bounds then
+    one figure's block rounding apart)."""
+    return _check_figure(polls, streams, phases, "kv_cache_used_tokens", kv_used_bounds)
+
+
+def _check_figure(polls: Sequence[Polled], streams: Sequence[Stream], phases: Sequence[str], figure: str,
+                  bounds: Callable[[Sequence[Stream], float], tuple[float, float]]) -> list[str]:
     exact_phases = []
     for poll in polls:
         reading, t = poll.reading, poll.at_seconds
@@ -104,10 +142,10 @@ def check_tokens_in_flight(polls: Sequence[Polled], streams: Sequence[Stream], p
         # clients cannot tell.
         if poll.phase not in phases or reading.requests_waiting:
             continue
-        low, high = held_tokens_bounds(streams, t)
-        assert reading.tokens_in_flight is not None
-        assert low * 0.98 <= reading.tokens_in_flight <= high * 1.02, (poll.phase, t, reading.tokens_in_flight,
-                                                                       low, high)
+        low, high = bounds(streams, t)
+        read = getattr(reading, figure)
+        assert read is not None, (figure, poll.phase, t)
+        assert low * 0.98 <= read <= high * 1.02, (figure, poll.phase, t, read, low, high)
         if not any(unsettled(s, t) for s in streams):
             exact_phases.append(poll.phase)
     return exact_phases
@@ -148,6 +186,11 @@ def recorded_run(path: Path) -> tuple[list[RecordedPoll], list[Stream]]:
     polls = []
     for poll in document["polls"]:
         recorded = {name: _tuples(value) for name, value in poll["reading"].items() if name in reading_fields}
+        if "kv_cache_used_tokens" not in recorded:
+            # Recorded before the daemon read tokens in flight from the request counters: its tokens in
+            # flight then were the KV cache's used blocks, and its context is not on record.
+            recorded["kv_cache_used_tokens"] = recorded["tokens_in_flight"]
+            recorded["tokens_in_flight"] = None
         if recorded.get("ranks"):
             raise ValueError(f"{path}: a poll with rank readings; recorded_run rebuilds single-engine runs only")
         polls.append(RecordedPoll(poll["at_seconds"], poll["phase"], Reading(**recorded)))
