@@ -273,3 +273,29 @@ def test_a_page_whose_blocks_were_overridden_says_no_bytes_per_token() -> None:
     line = next(line for line in T1.splitlines() if line.startswith("vllm:cache_config_info{"))
     overridden = T1.replace(line, line.replace('num_gpu_blocks_override="None"', 'num_gpu_blocks_override="128"'))
     assert only(overridden).kv_cache_bytes_per_token is None
+
+
+BETWEEN_IDLE = [(PAGES / f"vllm-0.32.0-cpu_REAL_between_idle_t{i}.prom").read_text() for i in range(2)]
+
+
+def test_a_request_between_two_idle_polls_is_measured_and_not_scored() -> None:
+    """One request (200 prompt ids, 40 tokens out) came and went between two polls 3 s apart that both found
+    nothing running: its 40 tokens gave 39 token gaps (the ITL count moved by 39, one per token after the
+    first). The window's step is measured, but neither end
+    saw the load its steps ran, so no prediction is set beside it: at an empty batch it would read as a slow
+    model, and a lightly loaded server would drift for ever."""
+    before, after = BETWEEN_IDLE
+    assert _itl_count(after) - _itl_count(before) == 40 - 1
+    reading = reading_of(tiny(), before, after)
+    assert reading.requests_running == 0 and reading.measured_step_seconds is not None
+    assert reading.window_predicted_step_seconds is None and reading.prediction_error_ratio is None
+    assert any("came and went" in note for note in reading.notes)
+    assert "stepbudget_prediction_error_ratio" not in exported(tiny(), reading)
+    # The same pages a poll apart with a request still running at the end are scored as before.
+    running = edited(after, 'vllm:num_requests_running{engine="0",model_name="tiny"}', "1.0")
+    assert reading_of(tiny(), before, running).prediction_error_ratio is not None
+
+
+def _itl_count(page: str) -> float:
+    line = next(line for line in page.splitlines() if line.startswith("vllm:inter_token_latency_seconds_count{"))
+    return float(line.rsplit(" ", 1)[1])

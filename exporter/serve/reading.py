@@ -78,6 +78,9 @@ ESTIMATE_REASONS = {
     "aborted_requests": "requests aborted by their clients leave vLLM's counters without a finished record: their "
                         "context is taken out at the mean of the open requests (exact again at the next idle poll)",
 }
+# A window with token gaps whose two ends found nothing running: no prediction is set beside its step.
+WINDOW_LOAD_UNSEEN = ("prediction_error_ratio: requests came and went between two polls that found none running; "
+                      "the window's load is not known, so it is not scored")
 # The widths a KV element or a weight is stored in (bytes), to tell a page's KV bytes per token as a dtype.
 _WIDTH_NAMES = {4.0: "float32", 2.0: "16-bit", 1.0: "8-bit", 0.5: "4-bit"}
 _WIDTH_TOLERANCE_RATIO = 0.02
@@ -510,7 +513,13 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     scored = measured_mean or server_bytes or (server_wide and window is not None and window.measured_step_mean_seconds)
     start = _window_start_load(setup, window, contexts.start) if scored else None
     window_predicted, window_bytes = predicted, None
-    if start is not None:
+    if start is not None and start[1] == 0 and running == 0 and measured_mean:
+        # Requests came and went between two polls that each found none running: the window's steps ran a
+        # load neither end saw, and predicting them at an empty batch reads as a slow model (a real vLLM,
+        # tests/data/vllm-0.32.0-cpu: one 240-token request between two idle polls, 42 token gaps).
+        window_predicted = None
+        notes.append(WINDOW_LOAD_UNSEEN)
+    elif start is not None:
         first, at_start = _predicted_load(setup, *start, prefill_load)
         window_predicted = (at_start + predicted) / 2.0
         # Exact where bytes grow linearly with the tokens in flight, as they do while every request adds
@@ -526,7 +535,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         predicted_compute_step_seconds=prediction.compute_seconds,
         predicted_user_tokens_per_second=per_step / predicted,
         window_predicted_step_seconds=window_predicted,
-        prediction_error_ratio=(window_predicted - measured_mean) / measured_mean if measured_mean else None,
+        prediction_error_ratio=((window_predicted - measured_mean) / measured_mean
+                                if measured_mean and window_predicted is not None else None),
         token_budget_tokens=token_budget,
         token_budget_utilization_ratio=tokens / token_budget if token_budget else None,
         notes=tuple(notes),
