@@ -41,6 +41,7 @@ from prometheus_client.samples import Sample
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks.scale import free_port  # after sys.path
+from exporter import demo  # after sys.path
 from exporter.capacity import model  # after sys.path
 from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_ready  # after sys.path
 from exporter.real_vllm.host import device_with_peaks, measure_host_device  # after sys.path
@@ -140,10 +141,7 @@ def start_daemon(workdir: Path, config: Mapping[str, object]) -> tuple[subproces
     config_path = workdir / "stepbudget.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log_path = workdir / "daemon.log"
-    with open(log_path, "wb") as log:
-        daemon = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config_path)],
-                                  stdout=log, stderr=subprocess.STDOUT)
-    return daemon, log_path
+    return demo.start_daemon(config_path, log_path), log_path
 
 
 def _drive(load: LoadGenerator, metrics_url: str) -> list[dict[str, object]]:

@@ -7,14 +7,11 @@ its caps, to a stand-in server on 127.0.0.1.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import random
 import statistics
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -33,6 +30,7 @@ from exporter.real_vllm.shapes import (
     play,
     shape_kinds,
 )
+from tests.support.completions import StandInCompletions
 
 BLOCK = 128
 MAX_MODEL_LEN = 4096
@@ -340,74 +338,9 @@ def test_unique_long_prompts_arrive_beside_short_chats() -> None:
 # --- the player, against a stand-in server -------------------------------------------------------------
 
 
-class _SlowCompletions:
-    """A stand-in for `/v1/completions` on 127.0.0.1 that streams one token every `token_seconds`, with
-    `usage.completion_tokens` so far, and counts the requests open at once by their max_tokens."""
-
-    def __init__(self, token_seconds: float) -> None:
-        self.bodies: list[dict[str, object]] = []
-        self.open_by_max_tokens: dict[int, int] = {}
-        self.most_open_by_max_tokens: dict[int, int] = {}
-        self._lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                max_tokens = int(body["max_tokens"])
-                with outer._lock:
-                    outer.bodies.append(body)
-                    now = outer.open_by_max_tokens[max_tokens] = outer.open_by_max_tokens.get(max_tokens, 0) + 1
-                    most = outer.most_open_by_max_tokens
-                    most[max_tokens] = max(most.get(max_tokens, 0), now)
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.end_headers()
-                    for n in range(1, max_tokens + 1):
-                        time.sleep(token_seconds)
-                        usage = {"choices": [{"text": "x"}], "usage": {"completion_tokens": n}}
-                        self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
-                        self.wfile.flush()
-                    self.wfile.write(b"data: [DONE]\n\n")
-                finally:
-                    with outer._lock:
-                        outer.open_by_max_tokens[max_tokens] -= 1
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
-        self._thread.start()
-
-    @property
-    def base_url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
-
-    def requests(self) -> list[tuple[list[int], int]]:
-        """(prompt ids, max_tokens) of every request so far."""
-        with self._lock:
-            bodies = list(self.bodies)
-        requests: list[tuple[list[int], int]] = []
-        for body in bodies:
-            prompt, max_tokens = body["prompt"], body["max_tokens"]
-            assert isinstance(prompt, list) and isinstance(max_tokens, int)
-            requests.append((prompt, max_tokens))
-        return requests
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
-
-
 @pytest.fixture
-def completions() -> Iterator[_SlowCompletions]:
-    server = _SlowCompletions(token_seconds=0.03)
+def completions() -> Iterator[StandInCompletions]:
+    server = StandInCompletions(token_seconds=0.03)
     yield server
     server.close()
 
@@ -422,7 +355,7 @@ def _open_loop(name: str, arrivals: list[Arrival], *, max_in_flight: int, kv_bud
                            max_in_flight, kv_budget_tokens, tuple(arrivals))
 
 
-def test_the_player_sends_what_the_shape_says_within_each_processs_caps(completions: _SlowCompletions) -> None:
+def test_the_player_sends_what_the_shape_says_within_each_processs_caps(completions: StandInCompletions) -> None:
     # Lanes of 2 from the start; 3 lanes sharing a 300-token system prompt from 0.2 s; 8 open-loop requests
     # due at once with room for 2 at a time (max_tokens 7, 0.21 s each); 4 more due at once whose 2 blocks
     # each leave room for one at a time in a 3-block budget (max_tokens 9). Requests are told apart by
@@ -459,7 +392,7 @@ def test_the_player_sends_what_the_shape_says_within_each_processs_caps(completi
     assert len(load.streams) == len(requests)
 
 
-def test_stopping_the_player_drops_what_waits_and_sends_nothing_more(completions: _SlowCompletions) -> None:
+def test_stopping_the_player_drops_what_waits_and_sends_nothing_more(completions: StandInCompletions) -> None:
     process = _open_loop("one-at-a-time", [Arrival(0.05, 30, 6) for _ in range(20)], max_in_flight=1,
                          kv_budget_tokens=4 * BLOCK, stop_seconds=5.0)
     shape = LoadShape(2, "hand-made", 5.0, LIMITS, (), (process,), False, 0)

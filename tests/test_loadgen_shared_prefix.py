@@ -6,11 +6,8 @@ with must itself be right.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -24,70 +21,15 @@ from exporter.real_vllm.loadgen import (
     unique_blocks_held_at,
     unique_tokens_held_at,
 )
+from tests.support.completions import StandInCompletions, prompt_ids
 
 BLOCK = 128  # vLLM's CPU backend's KV block (tests/support/real_vllm.py)
 VOCAB = 8192
 
 
-class _Completions:
-    """A stand-in for `/v1/completions` on 127.0.0.1: records each request's body and streams back one
-    event per output token, each carrying `usage.completion_tokens` so far, then `[DONE]`."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, object]] = []
-        self._lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer._lock:
-                    outer.bodies.append(body)
-                events = [f"data: {json.dumps({'choices': [{'text': 'x'}], 'usage': {'completion_tokens': n}})}\n\n"
-                          for n in range(1, int(body["max_tokens"]) + 1)] + ["data: [DONE]\n\n"]
-                payload = "".join(events).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
-        self._thread.start()
-
-    @property
-    def base_url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
-
-    def prompts(self) -> list[list[int]]:
-        with self._lock:
-            return [_ids(body) for body in self.bodies]
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
-
-
-def _ids(body: dict[str, object]) -> list[int]:
-    """A request body's prompt: the token ids the load generator sent."""
-    prompt = body["prompt"]
-    assert isinstance(prompt, list) and all(isinstance(token, int) for token in prompt), prompt
-    return prompt
-
-
 @pytest.fixture
-def completions() -> Iterator[_Completions]:
-    server = _Completions()
+def completions() -> Iterator[StandInCompletions]:
+    server = StandInCompletions()
     yield server
     server.close()
 
@@ -105,7 +47,7 @@ def _run(load: LoadGenerator, phase: Phase, requests: int) -> None:
 
 
 def test_every_prompt_begins_with_the_phases_prefix_and_goes_on_with_ids_of_its_own(
-        completions: _Completions) -> None:
+        completions: StandInCompletions) -> None:
     load = LoadGenerator(completions.base_url, "tiny", vocab_size=VOCAB, seed=3)
     phase = Phase("system", 4, 300, 2, spread_ratio=0.5, shared_prefix_tokens=200, output_spread_ratio=0.0)
     _run(load, phase, 12)
@@ -128,7 +70,8 @@ def test_every_prompt_begins_with_the_phases_prefix_and_goes_on_with_ids_of_its_
     assert all(s.max_tokens == 2 and s.generated_by(s.finished_at_seconds or 0.0) == 2 for s in streams)
 
 
-def test_a_phase_started_again_keeps_its_prefix_and_another_phase_draws_its_own(completions: _Completions) -> None:
+def test_a_phase_started_again_keeps_its_prefix_and_another_phase_draws_its_own(
+        completions: StandInCompletions) -> None:
     load = LoadGenerator(completions.base_url, "tiny", vocab_size=VOCAB, seed=4)
     first = Phase("a", 1, 160, 1, shared_prefix_tokens=150)
     _run(load, first, 1)
@@ -143,15 +86,15 @@ def test_a_phase_started_again_keeps_its_prefix_and_another_phase_draws_its_own(
     assert a_prompts[0][:150] != b_prompts[0][:150]
 
 
-def test_warming_a_prefix_sends_it_alone_with_one_id_of_its_own_for_one_token(completions: _Completions) -> None:
+def test_warming_a_prefix_sends_it_alone_with_one_id_of_its_own_for_one_token(completions: StandInCompletions) -> None:
     load = LoadGenerator(completions.base_url, "tiny", vocab_size=VOCAB, seed=5)
     phase = Phase("system", 3, 600, 20, shared_prefix_tokens=512)
     warm = load.warm_prefix(phase)
     _run(load, phase, 3)
     (warm_body, *others) = completions.bodies
-    warm_prompt = _ids(warm_body)
+    warm_prompt = prompt_ids(warm_body)
     assert len(warm_prompt) == 513 and warm_body["max_tokens"] == 1
-    assert all(_ids(body)[:512] == warm_prompt[:512] for body in others)
+    assert all(prompt_ids(body)[:512] == warm_prompt[:512] for body in others)
     assert (warm.prompt_tokens, warm.max_tokens, warm.shared_prefix, warm.shared_prefix_tokens) == (
         513, 1, "system", 512)
     # Prefill-only: one token back, in one event.
@@ -162,7 +105,7 @@ def test_warming_a_prefix_sends_it_alone_with_one_id_of_its_own_for_one_token(co
 
 
 def test_a_prefill_only_phase_sends_max_tokens_one_and_each_request_streams_one_token(
-        completions: _Completions) -> None:
+        completions: StandInCompletions) -> None:
     load = LoadGenerator(completions.base_url, "tiny", vocab_size=VOCAB, seed=6)
     _run(load, Phase("prefill", 2, 1000, 1, spread_ratio=0.5), 6)
     assert {body["max_tokens"] for body in completions.bodies} == {1}

@@ -74,6 +74,18 @@ def served(page: str) -> Iterator[PageServer]:
     server.close()
 
 
+def _fetched(page: str, max_bytes: int) -> str:
+    """`page` as the daemon's fetcher reads it over HTTP from a real server on 127.0.0.1, capped at `max_bytes`."""
+    server = PageServer()
+    server.serve_text(page)
+    fetcher = HttpFetcher(5.0, max_bytes)
+    try:
+        return fetcher(server.url, bearer_token=None, tls=Tls())
+    finally:
+        fetcher.close()
+        server.close()
+
+
 @pytest.fixture(autouse=True)
 def _reset_structlog() -> Iterator[None]:
     yield
@@ -149,14 +161,7 @@ def test_a_page_whose_read_families_pass_the_cap_is_read_up_to_the_cut() -> None
     sizes = list(itertools.accumulate(len(line) for line in lines))
     assert sizes[-1] > 4_000
     fitting = sum(1 for total in sizes if total <= 4_000)
-    server = PageServer()
-    server.serve_text(BASE)
-    fetcher = HttpFetcher(5.0, 4_000)
-    try:
-        text = fetcher(server.url, bearer_token=None, tls=Tls())
-    finally:
-        fetcher.close()
-        server.close()
+    text = _fetched(BASE, 4_000)
     assert text == "".join(lines[:fitting])
     assert isinstance(text, FetchedPage) and "cut there" in text.notes[0]
     [snapshot] = read_page(text).snapshots
@@ -167,14 +172,7 @@ def test_junk_after_the_read_families_cuts_the_page_and_keeps_them() -> None:
     """A page that ends in an endless stream of lines of no family (a comment repeated): the lines of
     no family count, the cap is reached in them, and what came before is read."""
     junk = ("# " + "x" * 97 + "\n") * 2_000  # 200,000 bytes
-    server = PageServer()
-    server.serve_text(BASE + junk)
-    fetcher = HttpFetcher(5.0, 100_000)
-    try:
-        text = fetcher(server.url, bearer_token=None, tls=Tls())
-    finally:
-        fetcher.close()
-        server.close()
+    text = _fetched(BASE + junk, 100_000)
     assert text == "".join(wanted_lines(BASE))
     assert read_page(text) == read_page(BASE)
 
@@ -199,15 +197,8 @@ def test_a_cut_page_that_cannot_be_read_fails_with_the_cut_in_its_reason(clock: 
 
 
 def test_a_page_of_junk_past_the_cap_is_refused_as_before() -> None:
-    server = PageServer()
-    server.serve_text(("# " + "x" * 97 + "\n") * 300)  # 30,000 bytes of no family
-    fetcher = HttpFetcher(5.0, 10_000)
-    try:
-        with pytest.raises(FetchError, match=r"^response over 10000 bytes$"):
-            fetcher(server.url, bearer_token=None, tls=Tls())
-    finally:
-        fetcher.close()
-        server.close()
+    with pytest.raises(FetchError, match=r"^response over 10000 bytes$"):
+        _fetched(("# " + "x" * 97 + "\n") * 300, 10_000)  # 30,000 bytes of no family
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 64, 1000, 1 << 20])

@@ -21,6 +21,7 @@ them (the prefix once), the token gaps and the prompt tokens the clients sent.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -240,6 +241,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
 # --- 1. a shared system prompt ------------------------------------------------------------------------------
 
 
+def _settled_windows(run: SharedRun, phase: Phase) -> Iterator[tuple[PollRecord, list[float]]]:
+    """Each window between two consecutive settled polls of the phase: its end poll and the phase's
+    clients' token gaps inside it."""
+    streams = _phase_streams(run, phase)
+    settled = {poll.at_seconds for poll in _settled_polls(run, phase)}
+    for before, after in itertools.pairwise(run.polls):
+        if before.at_seconds in settled and after.at_seconds in settled:
+            yield after, [gap for s in streams for gap in s.token_gaps_in(before.at_seconds, after.at_seconds)]
+
+
 def _phase_streams(run: SharedRun, phase: Phase = SHARED) -> list[Stream]:
     """A wave's 16 requests (for the shared phase, not the warm-up request that put the prefix in the cache)."""
     streams = [s for s in run.streams if s.shared_prefix == (phase.name if phase.shared_prefix_tokens else "")
@@ -265,14 +276,9 @@ def _window_errors(run: SharedRun, phase: Phase) -> list[tuple[float, float, flo
     """Windows between two settled polls of the phase (all 16 decoding throughout, no prompt computed): the
     measured step, held to the clients' mean token gap over the window within 5%, and the prediction for the
     window (the mean of its two ends) against it: (end, predicted / measured - 1, tokens in flight, KV used)."""
-    streams = _phase_streams(run, phase)
-    settled = {poll.at_seconds for poll in _settled_polls(run, phase)}
     errors = []
-    for before, after in zip(run.polls, run.polls[1:], strict=False):
-        if not (before.at_seconds in settled and after.at_seconds in settled):
-            continue
+    for after, gaps in _settled_windows(run, phase):
         reading = after.reading
-        gaps = [gap for s in streams for gap in s.token_gaps_in(before.at_seconds, after.at_seconds)]
         measured, predicted = reading.measured_step_seconds, reading.window_predicted_step_seconds
         assert measured is not None and predicted is not None, reading.notes
         assert measured == pytest.approx(statistics.mean(gaps), rel=0.05), (phase.name, after.at_seconds, measured)
@@ -361,16 +367,11 @@ def test_a_shared_prefix_step_lies_between_the_memory_held_and_the_whole_context
     early rather than late, and the prediction from the memory held (what a reading of KV usage gives) is
     below it. docs/model.md, "Prefix caching", says what the model does not know."""
     run = runs.shared
-    streams = _phase_streams(run, SHARED)
-    settled = {poll.at_seconds for poll in _settled_polls(run, SHARED)}
     bandwidth = float(str(run.calibration["effective_bandwidth_bytes_per_second"]))
     kv_bytes_per_token = 32_768  # this model in float32 (test_kv_bytes_per_token_follow_the_page...)
     windows = 0
-    for before, after in zip(run.polls, run.polls[1:], strict=False):
-        if not (before.at_seconds in settled and after.at_seconds in settled):
-            continue
+    for after, gaps in _settled_windows(run, SHARED):
         reading = after.reading
-        gaps = [gap for s in streams for gap in s.token_gaps_in(before.at_seconds, after.at_seconds)]
         measured, whole = reading.measured_step_seconds, reading.predicted_step_seconds
         tokens, used = reading.tokens_in_flight, reading.kv_cache_used_tokens
         assert measured is not None and whole is not None and tokens and used, reading.notes

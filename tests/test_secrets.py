@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -42,7 +42,7 @@ from exporter.serve.poller import HttpFetcher, Poller
 from exporter.serve.prometheus_source import PrometheusSource
 from tests.support.clocks import ManualClock, SteppingClock
 from tests.support.prometheus_api import QueryApi
-from tests.support.servers import PageServer, free_port, send_text
+from tests.support.servers import HandlerServer, PageServer, free_port, send_text
 
 PAGE = (Path(__file__).parent / "data" / "vllm-0.32.0-cpu" / "vllm-0.32.0-cpu_REAL_16streams_t1.prom").read_text()
 
@@ -85,19 +85,14 @@ class Alertmanager:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
+        self._server = HandlerServer(Handler)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return self._server.base_url
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()
 
 
 @pytest.fixture

@@ -512,7 +512,8 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
     # (server_wide_reading), or the server's bytes.
     scored = measured_mean or server_bytes or (server_wide and window is not None and window.measured_step_mean_seconds)
     start = _window_start_load(setup, window, contexts.start) if scored else None
-    window_predicted, window_bytes = predicted, None
+    window_predicted: float | None = predicted
+    window_bytes = None
     if start is not None and start[1] == 0 and running == 0 and measured_mean:
         # Requests came and went between two polls that each found none running: the window's steps ran a
         # load neither end saw, and predicting them at an empty batch reads as a slow model (a real vLLM,

@@ -62,6 +62,27 @@ class _QuietServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class HandlerServer:
+    """A threaded stdlib HTTP server on `host` and a free port serving `handler`, until `close()`: what every
+    stand-in server of the suite runs on."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], host: str = "127.0.0.1") -> None:
+        self.httpd = _QuietServer((host, 0), handler)
+        self.httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+
 class PageServer:
     """A stdlib HTTP server on 127.0.0.1; `respond(handler)` (settable) answers every GET."""
 
@@ -84,25 +105,19 @@ class PageServer:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self._httpd = _QuietServer((host, 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
+        self._server = HandlerServer(Handler, host)
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/metrics"
+        return f"{self._server.base_url}/metrics"
 
     def wrap_tls(self, context: ssl.SSLContext) -> None:
         """Serve HTTPS from now on (the handshake runs at accept; a client refusing it is no error)."""
-        self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
+        self._server.httpd.socket = context.wrap_socket(self._server.httpd.socket, server_side=True)
 
     def serve_text(self, text: str | bytes, status: int = 200) -> None:
         self.respond = lambda handler: send_text(handler, text, status)
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()
 
