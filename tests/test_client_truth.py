@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.real_vllm.loadgen import Stream
-from tests.support.client_truth import context_bounds, kv_used_bounds
+from tests.support.client_truth import clients_mean_gap_ratio, context_bounds, kv_used_bounds
 from tests.support.real_vllm import BLOCK_SIZE_TOKENS
 
 
@@ -49,3 +49,16 @@ def test_a_finished_stream_is_no_context_once_it_is_past_the_margin() -> None:
     # About its end, it may still be counted whole or already gone.
     low, high = context_bounds([done], 3.1)
     assert (low, high) == (0.0, 100 + 30)
+
+
+def test_a_window_whose_tokens_reached_the_clients_late_evens_out_with_the_next() -> None:
+    # The server steps 50 ms through two 2 s windows: 40 tokens each. The clients read 30 in the first (its
+    # last 10 held in delivery: 30 gaps over its 2 s, 66.7 ms each) and 50 in the second (40 ms each). The
+    # first window alone reads 0.05 / (2 / 30) - 1 = -25%; together 80 gaps over 4 s, 50 ms, as measured.
+    late, caught_up = (0.050, [2.0 / 30] * 30), (0.050, [2.0 / 50] * 50)
+    assert clients_mean_gap_ratio([late]) == pytest.approx(0.050 / (2.0 / 30) - 1)
+    assert clients_mean_gap_ratio([late, caught_up]) == pytest.approx(0.0)
+    # Measured 48 ms where the clients' 10 gaps were 63 ms, then 40 ms and 30 gaps of 40 ms: weighted by
+    # the gaps, 0.048 * 10 + 0.040 * 30 = 1.68 s against 0.63 + 1.2 = 1.83 s.
+    windows = [(0.048, [0.063] * 10), (0.040, [0.040] * 30)]
+    assert clients_mean_gap_ratio(windows) == pytest.approx(1.68 / 1.83 - 1)

@@ -45,7 +45,7 @@ from exporter.real_vllm.loadgen import (
 )
 from exporter.serve.alerting import AlertLoop
 from exporter.serve.config import Alerting, Config, config_from_mapping
-from tests.support.client_truth import MARGIN_SECONDS, unsettled
+from tests.support.client_truth import DELIVERY_SECONDS, MARGIN_SECONDS, clients_mean_gap_ratio, unsettled
 from tests.support.pollers import scrape
 from tests.support.real_vllm import BLOCK_SIZE_TOKENS, MODEL_CONFIG, host_device, serving
 
@@ -274,17 +274,20 @@ def _settled_polls(run: SharedRun, phase: Phase = SHARED) -> list[PollRecord]:
 
 def _window_errors(run: SharedRun, phase: Phase) -> list[tuple[float, float, float | None, float | None]]:
     """Windows between two settled polls of the phase (all 16 decoding throughout, no prompt computed): the
-    measured step, held to the clients' mean token gap over the window within 5%, and the prediction for the
-    window (the mean of its two ends) against it: (end, predicted / measured - 1, tokens in flight, KV used)."""
+    measured step, held to the clients' mean token gap over the windows within 5% (`clients_mean_gap_ratio`),
+    and the prediction for each window (the mean of its two ends) against it: (end, predicted / measured - 1,
+    tokens in flight, KV used)."""
     errors = []
+    windows = []
     for after, gaps in _settled_windows(run, phase):
         reading = after.reading
         measured, predicted = reading.measured_step_seconds, reading.window_predicted_step_seconds
         assert measured is not None and predicted is not None, reading.notes
-        assert measured == pytest.approx(statistics.mean(gaps), rel=0.05), (phase.name, after.at_seconds, measured)
+        windows.append((measured, gaps))
         errors.append((after.at_seconds, predicted / measured - 1, reading.tokens_in_flight,
                        reading.kv_cache_used_tokens))
     assert len(errors) >= 2, (phase.name, errors)
+    assert abs(clients_mean_gap_ratio(windows)) <= 0.05, (phase.name, [(m, len(g)) for m, g in windows])
     return errors
 
 
@@ -369,18 +372,18 @@ def test_a_shared_prefix_step_lies_between_the_memory_held_and_the_whole_context
     run = runs.shared
     bandwidth = float(str(run.calibration["effective_bandwidth_bytes_per_second"]))
     kv_bytes_per_token = 32_768  # this model in float32 (test_kv_bytes_per_token_follow_the_page...)
-    windows = 0
+    windows = []
     for after, gaps in _settled_windows(run, SHARED):
         reading = after.reading
         measured, whole = reading.measured_step_seconds, reading.predicted_step_seconds
         tokens, used = reading.tokens_in_flight, reading.kv_cache_used_tokens
         assert measured is not None and whole is not None and tokens and used, reading.notes
-        assert measured == pytest.approx(statistics.mean(gaps), rel=0.05)
+        windows.append((measured, gaps))
         # The same prediction with the KV read term at the memory held: fewer bytes, the same rate.
         held = whole - (tokens - used) * kv_bytes_per_token / bandwidth
         assert held < measured < whole, (after.at_seconds, held, measured, whole, tokens, used)
-        windows += 1
-    assert windows >= 2
+    assert len(windows) >= 2
+    assert abs(clients_mean_gap_ratio(windows)) <= 0.05, [(m, len(g)) for m, g in windows]
 
 
 def _fit(run: SharedRun) -> str:
@@ -449,8 +452,9 @@ def test_the_prefill_rate_is_the_prompt_tokens_the_clients_sent_per_second(runs:
     10%. The server counts a prompt in the step that returns its token, a moment before its client reads it,
     and renders its page somewhere in the poll's fetch: a prompt the clients read about a poll may be in the
     window on either side of it, so each window is held between the prompts read well inside it (after
-    MARGIN_SECONDS past its start, before its end's fetch began) and all that may be in it (from its start's
-    fetch to MARGIN_SECONDS past its end). Over the phase, where only its last edge is open, within 10% too."""
+    DELIVERY_SECONDS past its start, before its end's fetch began) and all that may be in it (from its start's
+    fetch to DELIVERY_SECONDS past its end; a CI run on 2 cores read 4,522 tokens in a window whose clients
+    had 4,069 by 0.3 s past its end). Over the phase, where only its last edge is open, within 10% too."""
     run = runs.prefill
     windows = _prefill_windows(run)
     read_total = 0.0
@@ -458,10 +462,10 @@ def test_the_prefill_rate_is_the_prompt_tokens_the_clients_sent_per_second(runs:
         rate = after.reading.prefill_tokens_per_second
         assert rate is not None, after.reading.notes
         read = rate * (after.at_seconds - before.at_seconds)
-        low = prompt_tokens_first_returned_in(run.streams, before.at_seconds + MARGIN_SECONDS,
+        low = prompt_tokens_first_returned_in(run.streams, before.at_seconds + DELIVERY_SECONDS,
                                               after.fetch_started_seconds)
         high = prompt_tokens_first_returned_in(run.streams, before.fetch_started_seconds,
-                                               after.at_seconds + MARGIN_SECONDS)
+                                               after.at_seconds + DELIVERY_SECONDS)
         assert low * 0.9 <= read <= high * 1.1, (after.at_seconds, read, low, high)
         read_total += read
     start, end = windows[0][0].at_seconds, windows[-1][1].at_seconds
@@ -471,15 +475,19 @@ def test_the_prefill_rate_is_the_prompt_tokens_the_clients_sent_per_second(runs:
 
 
 def test_time_to_first_token_is_the_clients(runs: Runs) -> None:
-    """The mean time to first token the daemon reads over the phase's windows, within 15% of the mean the
-    clients saw (sent to their one token back): the server's clock starts when its front end takes the
-    request in, a moment after the client sent it, and each request of two queues behind the other's
-    chunks for most of a second."""
+    """The mean time to first token the daemon reads over the phase's windows lies inside the clients' (sent
+    to their one token back): the server's clock starts when its front end takes the request in and stops
+    when its front end handles the token (0.32.0 vllm/v1/metrics/stats.py l. 478, 501-503, 521), both a
+    moment inside the client's; each request of two queues behind the other's chunks for most of a second.
+    At most 5% over the clients' mean (the windows sample the requests, the clients count each one), and
+    at most DELIVERY_SECONDS / 2 under it, the front end's share at each end on a host starved of a core."""
     run = runs.prefill
     read = [after.reading.measured_time_to_first_token_seconds for _, after in _prefill_windows(run)]
     assert all(value is not None and value > 0 for value in read), read
-    clients = [first - s.sent_at_seconds for s in run.streams if (first := s.first_token_at_seconds) is not None]
-    assert statistics.mean(value or 0.0 for value in read) == pytest.approx(statistics.mean(clients), rel=0.15)
+    clients = statistics.mean(first - s.sent_at_seconds for s in run.streams
+                              if (first := s.first_token_at_seconds) is not None)
+    server = statistics.mean(value or 0.0 for value in read)
+    assert clients - DELIVERY_SECONDS / 2 <= server <= clients * 1.05, (server, clients)
 
 
 def test_no_decode_page_for_a_prefill_only_server(runs: Runs) -> None:
