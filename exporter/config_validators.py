@@ -278,6 +278,30 @@ def url(value: Any, where: Where) -> str:
     return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
 
 
+
+LABEL_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+_LABEL_NAME = re.compile(LABEL_NAME_PATTERN)
+
+
+def label_set(value: Any, where: Where) -> dict[str, str]:
+    """A mapping of Prometheus label names to non-empty string values, e.g. `{cluster: prod-eu}`; names
+    that start with `__` are Prometheus's own and refused, as is `alertname`, which names the alert."""
+    if not isinstance(value, dict):
+        raise Invalid(f"expected a mapping of label names to values, got {type(value).__name__} {value!r}")
+    labels: dict[str, str] = {}
+    lines = getattr(value, "key_lines", {})
+    for name, label_value in value.items():
+        at = where.child(str(name), lines.get(name))
+        if not isinstance(name, str) or not _LABEL_NAME.match(name):
+            raise at.error(f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)")
+        if name.startswith("__") or name == "alertname":
+            raise at.error(f"{name!r} is reserved: names starting with __ are Prometheus's, alertname the alert's")
+        scalar = isinstance(label_value, (str, int, float)) and not isinstance(label_value, bool)
+        if not scalar or not str(label_value).strip():
+            raise at.error(f"expected a non-empty string, got {label_value!r}")
+        labels[name] = str(label_value).strip()
+    return labels
+
 # One PromQL label matcher: `name="value"`, `name!="value"`, `name=~"re"` or `name!~"re"`.
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"\s*'
 SELECTOR_PATTERN = rf"^\s*\{{?(?:{_MATCHER})(?:,(?:{_MATCHER}))*,?\s*\}}?\s*$"

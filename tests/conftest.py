@@ -6,7 +6,6 @@ are built from, and that tests import, live in tests/support.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,10 +16,10 @@ import requests
 
 from tests.support.alertmanager import ALERTMANAGER_CONFIG, Alertmanager
 from tests.support.clocks import ManualClock, SteppingClock
+from tests.support.e2e.stack import alertmanager_binary
 from tests.support.pollers import MakePoller
 from tests.support.processes import stop_process
 from tests.support.servers import PageServer, free_port, wait_until
-from tests.support.tools import require_tool
 
 if TYPE_CHECKING:
     from exporter.serve.config import Config
@@ -80,7 +79,7 @@ def make_page_server() -> Iterator[Callable[[], PageServer]]:
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     """A real `prometheus-alertmanager` on 127.0.0.1 (fails under CI if missing, skips otherwise)."""
-    binary = shutil.which("alertmanager") or require_tool("prometheus-alertmanager")
+    binary = alertmanager_binary()
     config = tmp_path / "alertmanager.yml"
     config.write_text(ALERTMANAGER_CONFIG)
     am_port = free_port()

@@ -243,6 +243,25 @@ def test_pending_then_firing_after_for_with_exactly_the_rule_labels(clock: Manua
     assert recorder.posts[0][0] == "http://am.invalid:9093" and recorder.posts[0][2] == 5.0
 
 
+
+def test_external_labels_go_under_the_alerts_own_and_the_runbook_moves_to_the_configured_base(
+        clock: ManualClock) -> None:
+    """As Prometheus adds its external labels (only where the alert has no label of that name), so that
+    the daemon's page and Prometheus's carry the same set; the runbook link from the site's own base, as
+    the chart renders the rules Prometheus loads."""
+    recorder = Recorder()
+    alerts = loop(clock, recorder, for_seconds=0.0, runbook_base_url="https://wiki.example.com/llm/runbook",
+                  external_labels={"cluster": "prod-eu", "namespace": "from-the-config"})
+    [posted] = alerts.evaluate([reading(predicted_step_seconds=0.025, predicted_memory_step_seconds=0.025)],
+                               clock.now)
+    assert posted["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES, "cluster": "prod-eu"}
+    assert posted["annotations"]["runbook_url"] == (
+        "https://wiki.example.com/llm/runbook#stepbudgetpredictedstepoverbudget")
+    # GET /api/v1/alerts shows what Prometheus's does: the rule's labels, no external ones.
+    [active] = alerts.active()
+    assert active["labels"] == {"alertname": PAGE_ALERT, "severity": "critical", **SERIES}
+    assert active["annotations"] == posted["annotations"]
+
 def test_firing_alert_is_reposted_at_most_every_60s_and_resolved_with_ends_at_now(clock: ManualClock) -> None:
     recorder = Recorder()
     alerts = loop(clock, recorder, for_seconds=0.0)

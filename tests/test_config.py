@@ -654,3 +654,15 @@ def test_the_drift_for_the_config_checks_is_the_rules_and_the_loop_uses_alerting
     assert fors["StepBudgetPredictionDrift"] == 60.0 and fors["StepBudgetPredictedStepOverBudget"] == 120.0
     assert {rule.name: rule.for_seconds for rule in AlertLoop(Alerting(), poll_interval_seconds=15.0).rules}[
         "StepBudgetPredictionDrift"] == 900.0
+
+
+def test_a_bad_external_label_is_named_at_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, textwrap.dedent(MINIMAL) + "alerting:\n  external_labels:\n    cluster-name: prod\n")
+    with pytest.raises(ConfigError, match=r"stepbudget.yaml:9: alerting.external_labels.cluster-name: "
+                                          r"'cluster-name' is not a Prometheus label name"):
+        load_config(path)
+    path = write(tmp_path, textwrap.dedent(MINIMAL) + "alerting:\n  external_labels: {cluster: prod-eu}\n"
+                                                       "  runbook_base_url: https://wiki.example.com/rb.md\n")
+    alerting = load_config(path).alerting
+    assert alerting.external_labels == {"cluster": "prod-eu"}
+    assert alerting.runbook_base_url == "https://wiki.example.com/rb.md"

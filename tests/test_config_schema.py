@@ -130,6 +130,16 @@ DOCUMENTS = [
     ({"deployments": [_deployment(tls={"key_file": THIS_FILE})]}, False),
     ({"deployments": [_deployment(targets={"static": ["http://u:p@10.0.0.5:8000/metrics"]})]}, False),
     ({"alerting": {"alertmanager_urls": "http://am:s3cret@am:9093"}, "deployments": [_deployment()]}, False),
+    # The labels every alert the daemon sends carries, as Prometheus's external labels; a runbook base.
+    ({"alerting": {"external_labels": {"cluster": "prod-eu", "region": 3}, "runbook_base_url": "https://wiki/rb"},
+      "deployments": [_deployment()]}, True),
+    ({"alerting": {"external_labels": {"cluster-name": "prod"}}, "deployments": [_deployment()]}, False),
+    ({"alerting": {"external_labels": {"__tenant": "a"}}, "deployments": [_deployment()]}, False),
+    ({"alerting": {"external_labels": {"alertname": "a"}}, "deployments": [_deployment()]}, False),
+    ({"alerting": {"external_labels": {"cluster": ""}}, "deployments": [_deployment()]}, False),
+    ({"alerting": {"external_labels": {"cluster": ["a"]}}, "deployments": [_deployment()]}, False),
+    ({"alerting": {"external_labels": ["cluster=prod"]}, "deployments": [_deployment()]}, False),
+    ({"alerting": {"runbook_base_url": "wiki/runbook.md"}, "deployments": [_deployment()]}, False),
 ]
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ from tests.support.e2e.stack import (
     RecordingServer,
     SeriesKey,
     alertmanager_alerts,
+    alertmanager_binary,
     alertmanager_config,
     compare_pages,
     copy_rules_with_for,
@@ -123,10 +123,6 @@ class Stack:
             process.check_running()
 
 
-def _alertmanager_binary() -> str:
-    return shutil.which("alertmanager") or require_tool("prometheus-alertmanager")
-
-
 def _page_rule() -> dict[str, Any]:
     document = yaml.safe_load(ALERTS_FILE.read_text())
     (rule,) = [r for group in document["groups"] for r in group["rules"] if r.get("alert") == PAGE]
@@ -149,7 +145,7 @@ def _ready(url: str) -> bool:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prometheus_binary = require_tool("prometheus")
-    alertmanager_binary = _alertmanager_binary()
+    alertmanager_binary_path = alertmanager_binary()
     deadline = Deadline(STACK_SECONDS)
     work = tmp_path_factory.mktemp("e2e-stack")
     am_address, prom_address, daemon_address = (f"127.0.0.1:{free_port()}" for _ in range(3))
@@ -173,7 +169,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     processes: list[ManagedProcess] = []
     try:
         processes += start_alertmanager_and_prometheus(
-            work, alertmanager=(alertmanager_binary, am_config, am_address),
+            work, alertmanager=(alertmanager_binary_path, am_config, am_address),
             prometheus=(prometheus_binary, prom_config, prom_address))
         simulators_launched = time.monotonic()
         for seed, (scenario, port) in enumerate(sim_ports.items()):

@@ -238,7 +238,11 @@ def _rendered_config(values: Path | None) -> dict:
 def test_config_map_holds_values_config_listening_on_the_container_port(values: Path | None) -> None:
     effective = _values(values)
     config = _rendered_config(values)
-    assert config == {**effective["config"], "listen": f":{effective['port']}"}
+    expected = {**effective["config"], "listen": f":{effective['port']}"}
+    base = effective["prometheusRule"]["runbookBaseUrl"]
+    if base != DEFAULT_RUNBOOK_BASE:  # the daemon's alerts link where the rules the chart renders do
+        expected["alerting"] = {**(expected.get("alerting") or {}), "runbook_base_url": base}
+    assert config == expected
     port = container(render(values))["ports"][0]
     assert port == {"name": "http", "containerPort": effective["port"], "protocol": "TCP"}
 

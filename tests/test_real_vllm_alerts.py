@@ -32,6 +32,7 @@ from tests.support.e2e.stack import (
     ManagedProcess,
     PrometheusApi,
     RecordingServer,
+    alertmanager_binary,
     alertmanager_config,
     copy_rules_with_for,
     get_text,
@@ -82,7 +83,6 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work: Path = tmp_path_factory.mktemp("real-vllm-alerts")
     prometheus_binary = require_tool("prometheus")
-    alertmanager_binary = require_tool("prometheus-alertmanager")
     am_address, prom_address, daemon_address = (f"127.0.0.1:{free_port()}" for _ in range(3))
     webhook = RecordingServer()
     rules_copy = copy_rules_with_for(ALERTS_FILE, work / "stepbudget.alerts.short-for.yaml", {PAGE: SHORT_FOR})
@@ -105,7 +105,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         load = LoadGenerator(server.base_url, "tiny", vocab_size=server.vocab_size, seed=5)
         try:
             processes += start_alertmanager_and_prometheus(
-                work, alertmanager=(alertmanager_binary, am_config, am_address),
+                work, alertmanager=(alertmanager_binary(), am_config, am_address),
                 prometheus=(prometheus_binary, prom_config, prom_address))
             processes.append(start_process("serve", [
                 sys.executable, "-m", "exporter.cli", "serve", "--config", str(daemon_config)], work))

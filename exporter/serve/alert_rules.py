@@ -28,6 +28,9 @@ from exporter.errors import InputError
 from exporter.units import parse_overhead_seconds
 
 PACKAGED_RULES = "serve/rules/stepbudget.alerts.yaml"
+# Every runbook_url of the packaged rules starts with this; `alerting.runbook_base_url` (the daemon) and
+# the chart's `prometheusRule.runbookBaseUrl` (the rules it renders) replace it with a site's own copy.
+PACKAGED_RUNBOOK_BASE = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
 # The keys of an alerting rule the loop honours; another (keep_firing_for, ...) would change what
 # Prometheus does without changing what the daemon does, so loading refuses it.
 _RULE_KEYS = frozenset({"alert", "expr", "for", "labels", "annotations"})

@@ -33,10 +33,11 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import requests
@@ -45,7 +46,7 @@ import structlog
 from exporter.errors import InputError
 from exporter.logs import say_tls_verification_is_off
 from exporter.redaction import redact
-from exporter.serve.alert_rules import AlertRule, load_alert_rules
+from exporter.serve.alert_rules import PACKAGED_RUNBOOK_BASE, AlertRule, load_alert_rules
 from exporter.serve.config import DRIFT_ALERT, Alerting, Auth, Tls
 from exporter.serve.discovery import NotReadyPod
 from exporter.serve.reading import Reading
@@ -264,16 +265,22 @@ def post_alerts(url: str, alerts: list[dict[str, object]], timeout_seconds: floa
     AlertmanagerPoster(Auth(), Tls())(url, alerts, timeout_seconds)
 
 
-def _described(alert: _Alert) -> dict[str, object]:
+def _described(alert: _Alert, external_labels: Mapping[str, str] = MappingProxyType({}),
+               runbook_base_url: str | None = None) -> dict[str, object]:
     """An alert's labels and annotations, as both Alertmanager's API and `GET /api/v1/alerts` carry them;
-    no credential in any of them (the readings' labels are redacted already: this is the backstop)."""
+    no credential in any of them (the readings' labels are redacted already: this is the backstop).
+
+    `external_labels` go under the alert's own, as Prometheus adds its external labels to the alerts it
+    sends (only where the alert has no label of that name): the daemon's alert and Prometheus's must
+    carry the same set for Alertmanager to show one. `runbook_base_url` replaces the packaged rules'
+    runbook base in every annotation, as the chart does to the rules Prometheus loads."""
+    annotations = {key: template.render(alert.labels, alert.value) for key, template in alert.rule.annotations.items()}
+    if runbook_base_url:
+        annotations = {key: text.replace(PACKAGED_RUNBOOK_BASE, runbook_base_url) for key, text in annotations.items()}
     return {
-        "labels": {key: redact(value)
-                   for key, value in {"alertname": alert.rule.name, **alert.rule.labels, **alert.labels}.items()},
-        "annotations": {
-            key: redact(template.render(alert.labels, alert.value))
-            for key, template in alert.rule.annotations.items()
-        },
+        "labels": {key: redact(value) for key, value in
+                   {**external_labels, "alertname": alert.rule.name, **alert.rule.labels, **alert.labels}.items()},
+        "annotations": {key: redact(text) for key, text in annotations.items()},
     }
 
 
@@ -302,6 +309,7 @@ class AlertLoop:
         self._urls = config.alertmanager_urls
         self._timeout = config.timeout_seconds
         self._generator_url = redact(config.generator_url or generator_url)
+        self._external_labels, self._runbook_base_url = config.external_labels, config.runbook_base_url
         self._clock = clock
         self._post = post or AlertmanagerPoster(config.auth, config.tls)
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
@@ -421,7 +429,7 @@ class AlertLoop:
     def _payload(self, alert: _Alert, now: float) -> dict[str, object]:
         ends_at = alert.resolved_at if alert.resolved_at is not None else now + self._valid_for_seconds
         payload: dict[str, object] = {
-            **_described(alert),
+            **_described(alert, self._external_labels, self._runbook_base_url),
             "startsAt": _iso(alert.fired_at or now),
             "endsAt": _iso(ends_at),
         }
@@ -451,7 +459,7 @@ class AlertLoop:
         with self._lock:
             return [
                 {
-                    **_described(alert),
+                    **_described(alert, runbook_base_url=self._runbook_base_url),
                     "state": "pending" if alert.fired_at is None else "firing",
                     "activeAt": _iso(alert.active_since),
                     "value": repr(alert.value),

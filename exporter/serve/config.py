@@ -57,6 +57,7 @@ from exporter.config_validators import (
     duration,
     existing_file,
     flops,
+    label_set,
     list_of,
     non_negative,
     non_negative_seconds,
@@ -389,6 +390,12 @@ ALERTING_KEYS: Table = {
                                      "loop; every online_calibration.holdout must outlast it"),
     "timeout": Key(duration, 5.0, "timeout of each POST to Alertmanager"),
     "generator_url": Key(url, None, "link put in each alert (default: this daemon's `/`)"),
+    "external_labels": Key(label_set, None, "labels added to every alert the daemon sends where the alert has "
+                                            "none of that name, as Prometheus adds its external labels: give "
+                                            "the same as the Prometheus evaluating the rules (e.g. `cluster`), "
+                                            "so Alertmanager sees one alert"),
+    "runbook_base_url": Key(url, None, "base of each alert's runbook_url (default: the project's "
+                                       "docs/runbook.md); the chart sets it from prometheusRule.runbookBaseUrl"),
     "auth": Key(section(AUTH_KEYS, check=AUTH_CHECK), None,
                 "credentials for Alertmanager: a bearer token or basic auth, from files or the environment"),
     "tls": Key(section(TLS_KEYS, check=tls_check), None, "TLS for https Alertmanagers"),
@@ -616,6 +623,8 @@ class Alerting:
     timeout_seconds: float = 5.0
     drift_for_seconds: float | None = None  # StepBudgetPredictionDrift's `for` in the loop (None: the rules file's)
     generator_url: str | None = None
+    external_labels: Mapping[str, str] = field(default_factory=dict)
+    runbook_base_url: str | None = None
     auth: Auth = field(default_factory=Auth)
     tls: Tls = field(default_factory=Tls)
 
@@ -840,7 +849,8 @@ def config_from_mapping(document: Any, source: str = "", *, sections: tuple[Sect
     alerting = Alerting(
         alertmanager_urls=tuple(alerting_raw["alertmanager_urls"]), for_seconds=alerting_raw["for"],
         timeout_seconds=alerting_raw["timeout"], generator_url=alerting_raw["generator_url"],
-        drift_for_seconds=alerting_raw["drift_for"],
+        drift_for_seconds=alerting_raw["drift_for"], external_labels=alerting_raw["external_labels"] or {},
+        runbook_base_url=alerting_raw["runbook_base_url"],
         auth=auth_from(alerting_raw["auth"]) or Auth(),
         tls=Tls(**alerting_raw["tls"]) if alerting_raw["tls"] else Tls(),
     ) if alerting_raw else Alerting()

@@ -79,6 +79,10 @@ PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
     "url_list": {"anyOf": [_URL, {"type": "array", "minItems": 1, "items": _URL}]},
     "listen_address": {"type": ["string", "integer"]},
     "promql_selector": {"type": "string", "pattern": config_validators.SELECTOR_PATTERN},
+    "label_set": {"type": "object",
+                  "propertyNames": {"pattern": config_validators.LABEL_NAME_PATTERN, "not": {"anyOf": [
+                      {"pattern": "^__"}, {"const": "alertname"}]}},
+                  "additionalProperties": {"anyOf": [{"type": "string", "pattern": r"\S"}, {"type": "number"}]}},
 }
 
 # Cross-key checks the schema does not express; check-config still runs them.

@@ -62,6 +62,15 @@ app.kubernetes.io/part-of: stepbudget
 {{- define "stepbudget.config" -}}
 {{- $config := deepCopy .Values.config }}
 {{- $_ := set $config "listen" (printf ":%d" (int .Values.port)) }}
+{{- /* One runbook base for the rules the chart renders and the daemon's own alerts, unless the config names its own. */}}
+{{- $runbook := .Values.prometheusRule.runbookBaseUrl }}
+{{- if and $runbook (ne $runbook "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md") }}
+{{- $alerting := get $config "alerting" | default dict }}
+{{- if not (get $alerting "runbook_base_url") }}
+{{- $_ := set $alerting "runbook_base_url" $runbook }}
+{{- $_ := set $config "alerting" $alerting }}
+{{- end }}
+{{- end }}
 {{- toYaml $config }}
 {{- end }}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +24,8 @@ from typing import Any, TypeVar
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.tools import require_tool
 
 HTTP_TIMEOUT_SECONDS = 5.0
 STOP_GRACE_SECONDS = 5.0
@@ -113,6 +116,11 @@ def start_process(name: str, argv: Sequence[str], log_dir: Path) -> ManagedProce
         popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     return ManagedProcess(name, popen, log_path)
+
+
+def alertmanager_binary() -> str:
+    """Alertmanager as upstream names it, or as Debian's package does."""
+    return shutil.which("alertmanager") or require_tool("prometheus-alertmanager")
 
 
 def start_alertmanager_and_prometheus(work: Path, *, alertmanager: tuple[str, Path, str],
