@@ -56,6 +56,12 @@ class Query:
     legend: str
 
 
+# The speed objective's recorded SLI (the alerts file's speed-objective group) and the share of decode tokens
+# its objective allows under the target, per deployment.
+SPEED_ERRORS = "deployment_model_name:stepbudget_decode_tokens_under_target:ratio_rate"
+ALLOWED_ERRORS = '(1 - max without (instance, job) (stepbudget_speed_objective_ratio{deployment=~"$deployment"}))'
+
+
 def per_target(metric: str, selector: str = TARGET_SELECTOR) -> str:
     """A daemon metric per target, scrape labels dropped (one line per target, as alerts see it)."""
     return f"max without (instance, job) ({metric}{{{selector}}})"
@@ -399,6 +405,26 @@ def pools() -> dash.Dashboard:
                 .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",
                                          "{{deployment}} / {{model_name}}")]))
                 .thresholds(_thresholds(1)).height(PANEL_HEIGHT).span(24),
+        ]),
+        ("Speed objective", [
+            timeseries(
+                8, "Speed error budget burn rate", "none",
+                "How fast the pool spends the speed objective's error budget: the share of decode tokens under the "
+                "per-user target over the window, per the share the objective allows (speed_objective). 1 spends "
+                "the 30-day budget in 30 days. StepBudgetSpeedBudgetBurn pages at 14.4 over 1h (and 5m) or 6 "
+                "over 6h (and 30m); StepBudgetSpeedBudgetSlowBurn tickets at 3 over 1d or 1 over 3d.",
+                [Query(f"{SPEED_ERRORS}{window}{{{sel}}} / on (deployment) group_left () {ALLOWED_ERRORS}",
+                       f"{{{{deployment}}}} {window}") for window in ("1h", "6h", "1d", "3d")],
+                limit=1, min_value=0),
+            timeseries(
+                9, "Decode tokens under the speed target", "percentunit",
+                "The speed objective's SLI: the share of decode tokens streamed in poll windows whose measured "
+                "per-user speed (tokens per step / measured step) was under target_tokens_per_second, against "
+                "the share the objective allows.",
+                [Query(f"{SPEED_ERRORS}1h{{{sel}}}", "{{deployment}} 1h"),
+                 Query(f"{SPEED_ERRORS}1d{{{sel}}}", "{{deployment}} 1d"),
+                 Query(f"{ALLOWED_ERRORS.removeprefix('(').removesuffix(')')}", "{{deployment}} allowed")],
+                budget_legend=".* allowed$", min_value=0),
         ]),
     ]
     return _layout(board, rows, first_row_id=105)

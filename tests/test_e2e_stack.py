@@ -368,9 +368,8 @@ def _expected_target_rules(raw: dict[SeriesKey, float],
         expected[("target:stepbudget_predicted_step_per_budget:ratio", labels)] = predicted[labels] / budget[labels]
     for labels in measured.keys() & budget.keys():
         expected[("target:stepbudget_measured_step_per_budget:ratio", labels)] = measured[labels] / budget[labels]
-    for labels, value in measured.items():
-        if value > 0:
-            expected[("target:stepbudget_measured_user_tokens_per_second:mean", labels)] = 1 / value
+    for labels, value in _by_target(raw, "stepbudget_measured_user_tokens_per_second").items():
+        expected[("target:stepbudget_measured_user_tokens_per_second:mean", labels)] = value
     return expected
 
 

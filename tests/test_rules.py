@@ -42,7 +42,14 @@ DESIGN_ALERTS = {
     "StepBudgetNoTargets",
     "StepBudgetTargetNotReady",  # a Kubernetes pod not Ready past its startup allowance
     "StepBudgetExporterAbsent",
+    # The per-user speed objective's burn rates (not in DESIGN §3's list yet): the fast one pages.
+    "StepBudgetSpeedBudgetBurn",
+    "StepBudgetSpeedBudgetSlowBurn",
 }
+SPEED_BURN = "StepBudgetSpeedBudgetBurn"
+SPEED_RATIOS = {f"deployment_model_name:stepbudget_decode_tokens_under_target:ratio_rate{window}"
+                for window in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")}
+POOL_ALERTS = {"StepBudgetExporterAbsent", SPEED_BURN, "StepBudgetSpeedBudgetSlowBurn"}
 # Request counts say nothing about step time; no alert may read them.
 REQUEST_COUNT_PATTERN = re.compile(r"requests?_(running|waiting|total)|num_requests|request_success")
 
@@ -68,6 +75,12 @@ def _alerts_file_records() -> set[str]:
 
 def _alert(name: str) -> dict:
     return next(rule for rule in _alerts() if rule["alert"] == name)
+
+
+def _duration_minutes_of(text: str) -> int:
+    """Minutes of a Prometheus duration of one unit (5m, 1h, 3d)."""
+    number, unit = int(text[:-1]), text[-1]
+    return number * {"m": 1, "h": 60, "d": 1440}[unit]
 
 
 def _duration_minutes(text: str) -> int:
@@ -110,7 +123,8 @@ def test_the_page_is_predicted_step_over_budget_critical_for_five_minutes() -> N
     # Predicted over budget by the last reading; held by its own memory while the target is down.
     assert metric_names(page["expr"]) == {"stepbudget_predicted_step_seconds", "stepbudget_step_budget_seconds",
                                           "stepbudget_target_up", "stepbudget_engine_sleeping", PAGE_MEMORY}
-    assert [r["alert"] for r in _alerts() if r["labels"]["severity"] == "critical"] == [page["alert"]]
+    # The other page is on the symptom users feel over hours, the speed objective's fast burn.
+    assert [r["alert"] for r in _alerts() if r["labels"]["severity"] == "critical"] == [page["alert"], SPEED_BURN]
 
 
 def test_the_page_memory_records_the_page_condition_after_the_page() -> None:
@@ -122,7 +136,21 @@ def test_the_page_memory_records_the_page_condition_after_the_page() -> None:
     assert names.index(PAGE_MEMORY) == names.index(PAGE) + 1
     (memory,) = [rule for rule in group["rules"] if rule.get("record") == PAGE_MEMORY]
     assert memory["expr"] == _alert(PAGE)["expr"]
-    assert _alerts_file_records() == {PAGE_MEMORY}
+    assert _alerts_file_records() == {PAGE_MEMORY} | SPEED_RATIOS
+
+
+def test_the_speed_burns_read_their_groups_ratios_and_each_deployments_objective() -> None:
+    """Recorded in the burns' own group, before them (a group runs its rules in order, so the alerts read the
+    evaluation's ratios, not the last one's); the objective is the daemon's speed_objective per deployment."""
+    (group,) = [g for g in yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+                if any(r.get("alert") == SPEED_BURN for r in g["rules"])]
+    names = [rule.get("alert") or rule.get("record") for rule in group["rules"]]
+    assert names == [*sorted(SPEED_RATIOS, key=lambda n: _duration_minutes_of(n.rsplit("_rate", 1)[1])),
+                     SPEED_BURN, "StepBudgetSpeedBudgetSlowBurn"]
+    for name in (SPEED_BURN, "StepBudgetSpeedBudgetSlowBurn"):
+        expr = _alert(name)["expr"]
+        assert metric_names(expr) - SPEED_RATIOS == {"stepbudget_speed_objective_ratio"}, name
+        assert expr.count("(1 - max without (instance, job) (stepbudget_speed_objective_ratio))") == 4, name
 
 
 @pytest.mark.parametrize("name", sorted(DESIGN_ALERTS))
@@ -138,7 +166,7 @@ def test_alert_annotations_and_runbook_section(name: str) -> None:
     assert rule["labels"]["severity"] in {"critical", "warning"}
 
 
-@pytest.mark.parametrize("name", sorted(DESIGN_ALERTS - {"StepBudgetExporterAbsent"}))
+@pytest.mark.parametrize("name", sorted(DESIGN_ALERTS - POOL_ALERTS))
 def test_per_target_alerts_drop_scrape_labels(name: str) -> None:
     """Prometheus and the daemon must raise one alert, with one label set, not two."""
     expr = _alert(name)["expr"]

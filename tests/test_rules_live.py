@@ -45,7 +45,13 @@ COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1,
           "stepbudget_prediction_error_ratio": 0.0}
 PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info",
                   "stepbudget_deployment_targets"}
-NOT_PER_TARGET = PER_DEPLOYMENT | {"stepbudget_build_info", "stepbudget_admission_decisions_total",
+# Per deployment, what the speed objective's rules join the pools' ratios with.
+DEPLOYMENT_VALUES = {"stepbudget_speed_objective_ratio": 0.99}
+# Counters that grow, tokens per second: a's streams under the target, b's at it.
+GROWING = {"a": {"stepbudget_decode_tokens_total": 64, "stepbudget_decode_tokens_at_target_total": 0},
+           "b": {"stepbudget_decode_tokens_total": 64, "stepbudget_decode_tokens_at_target_total": 64}}
+NOT_PER_TARGET = PER_DEPLOYMENT | set(DEPLOYMENT_VALUES) | {"stepbudget_build_info",
+                                                            "stepbudget_admission_decisions_total",
                                    "stepbudget_admitted_tokens",
                                    # per Kubernetes pod not Ready / per deployment
                                    "stepbudget_target_not_ready_since_timestamp_seconds",
@@ -55,13 +61,16 @@ EXTRA_LABELS = {"stepbudget_effective_bandwidth_bytes_per_second": ',source="def
                 "stepbudget_target_role_info": ',role="both"'}
 
 
-def exposition() -> str:
-    """A page with every per-target metric the daemon exports for targets a and b, plus build_info."""
+def exposition(now_seconds: float = 0.0) -> str:
+    """A page with every per-target metric the daemon exports for targets a and b (the GROWING counters at
+    their rates times `now_seconds`), the deployment's objective and build_info."""
     lines = ['stepbudget_build_info{version="0.1.0"} 1']
+    lines += [f'{metric}{{deployment="{SERIES["deployment"]}"}} {value}' for metric, value in DEPLOYMENT_VALUES.items()]
     for target, values in TARGETS.items():
         labels = ",".join(f'{k}="{v}"' for k, v in {**SERIES, "target": target}.items())
+        growing = {metric: rate * int(now_seconds) for metric, rate in GROWING[target].items()}
         for metric in sorted((DAEMON_METRICS | DAEMON_METRICS_BEYOND_DESIGN) - NOT_PER_TARGET):
-            value = {**COMMON, **values}.get(metric, 1.0)
+            value = {**COMMON, **values, **growing}.get(metric, 1.0)
             lines.append(f"{metric}{{{labels}{EXTRA_LABELS.get(metric, '')}}} {value}")
     return "\n".join(lines) + "\n"
 
@@ -69,10 +78,10 @@ def exposition() -> str:
 @pytest.fixture
 def exporters() -> Iterator[list[str]]:
     """Two HTTP servers on 127.0.0.1 serving the same page: two replicas of one exporter."""
-    body = exposition().encode()
 
     class Page(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # http.server's name
+            body = exposition(time.time()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()

@@ -179,7 +179,9 @@ CONDITIONS: dict[str, Condition] = {
     "StepBudgetPreemptions": _preempting,
     "StepBudgetTargetDown": _down,
 }
-PROMETHEUS_ONLY = frozenset({"StepBudgetExporterAbsent"})
+# Alerts only Prometheus raises: an absent daemon cannot report its own absence, and the speed objective's
+# burn rates need hours to days of the daemon's counters, which only Prometheus keeps.
+PROMETHEUS_ONLY = frozenset({"StepBudgetExporterAbsent", "StepBudgetSpeedBudgetBurn", "StepBudgetSpeedBudgetSlowBurn"})
 # Per deployment, from the poll's target counts (PollResult.deployment_targets), labelled `deployment`
 # only, as `sum without (instance, job)` leaves the rule's series. The value is the count.
 DeploymentCondition = Callable[[int], "float | None"]

@@ -186,9 +186,20 @@ PER_TARGET: tuple[PerTarget, ...] = (
               "Mean time to first token over the last poll window: delta(sum) / delta(count) of the server's TTFT "
               "histogram.",
               _field("measured_time_to_first_token_seconds")),
+    PerTarget("stepbudget_decode_tokens_total", "counter",
+              "Tokens the streams got after their first, over the poll windows with a measured step since this "
+              "daemon first read the engine: the per-user speed objective's total (docs/runbook.md, "
+              "StepBudgetSpeedBudgetBurn).",
+              _field("decode_tokens_total")),
+    PerTarget("stepbudget_decode_tokens_at_target_total", "counter",
+              "Of stepbudget_decode_tokens_total, the tokens of poll windows whose measured per-user speed "
+              "(stepbudget_measured_user_tokens_per_second) met the deployment's target_tokens_per_second: the "
+              "speed objective's good events.",
+              _field("decode_tokens_at_target_total")),
 )
 BANDWIDTH_METRIC = "stepbudget_effective_bandwidth_bytes_per_second"
 DEPLOYMENT_TARGETS_METRIC = "stepbudget_deployment_targets"
+SPEED_OBJECTIVE_METRIC = "stepbudget_speed_objective_ratio"
 # Discovery's lifecycle and the one-process check (exporter/serve/discovery.py, process_identity.py).
 NOT_READY_METRIC = "stepbudget_target_not_ready_since_timestamp_seconds"
 STARTUP_ALLOWANCE_METRIC = "stepbudget_target_startup_allowance_seconds"
@@ -366,6 +377,8 @@ class StepBudgetCollector(Collector):
     def _per_deployment(self, readings: Sequence[Reading]) -> Iterator[Metric]:
         kv = Metric("stepbudget_kv_bytes_per_token", "KV cache bytes one token costs per GPU, all layers.", "gauge")
         weights = Metric("stepbudget_weight_bytes", "Model weight bytes resident on each GPU.", "gauge")
+        objective = Metric(SPEED_OBJECTIVE_METRIC, "The speed SLO (speed_objective): the share of decode tokens to "
+                           "stream at or above target_tokens_per_second, 0-1; the burn-rate rules read it.", "gauge")
         info = Metric("stepbudget_model", "The model and hardware each deployment is predicted with; "
                       "kv_cache_dtype is the servers' own where their pages say it "
                       "(configured_kv_cache_dtype: the config's).",
@@ -390,6 +403,7 @@ class StepBudgetCollector(Collector):
                           model.kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel))
             weights.add_sample(weights.name, labels,
                                model.weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
+            objective.add_sample(objective.name, labels, deployment.speed_objective)
             info.add_sample("stepbudget_model_info", {
                 "deployment": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
                 "tensor_parallel": str(deployment.tensor_parallel),
@@ -400,6 +414,7 @@ class StepBudgetCollector(Collector):
             }, 1.0)
         yield kv
         yield weights
+        yield objective
         yield info
         yield from self._parameters()
 

@@ -298,8 +298,12 @@ ONLINE_CALIBRATION_KEYS: Table = {
     "prometheus_url": Key(url, None, "Prometheus holding this daemon's own series: the fit is seeded from "
                                      "them at start-up (query_range over `history`)"),
 }
+DEFAULT_SPEED_OBJECTIVE = 0.99  # 1% of the decode tokens may stream under the target
 DEFAULTS_KEYS: Table = {
     "target_tokens_per_second": Key(positive, 50.0, "per-user decode speed target (tokens/s)"),
+    "speed_objective": Key(ratio, DEFAULT_SPEED_OBJECTIVE,
+                           "the speed SLO: the share of decode tokens to stream at or above "
+                           "target_tokens_per_second (its burn-rate alerts: docs/runbook.md)"),
     "headroom": Key(ratio, model.DEFAULT_HEADROOM,
                     "share of each step's budget kept for decode (the rest for prompt chunks)"),
     "bandwidth_efficiency": Key(ratio, model.DEFAULT_BANDWIDTH_EFFICIENCY,
@@ -371,6 +375,7 @@ DEPLOYMENT_KEYS: Table = {
                        "`stepbudget calibrate --json` output: sets bandwidth, overhead, per-request cost and compute "
                        "where fitted (source `calibrated`)"),
     "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
+    "speed_objective": Key(ratio, None, "overrides defaults.speed_objective"),
     "headroom": Key(ratio, None, "overrides defaults.headroom"),
     "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
                               "overrides defaults.online_calibration key by key"),
@@ -591,6 +596,7 @@ class Deployment:
     prometheus: PrometheusTargets | None = None
     online_calibration: OnlineSettings | None = None
     role: str = "auto"  # auto | prefill | decode | both (SERVER_ROLES)
+    speed_objective: float = DEFAULT_SPEED_OBJECTIVE  # share of decode tokens to stream at the target or faster
     # The setup predictions use now: the seed until the online fit replaces it (exporter.serve.online_calibration).
     setup_in_use: SetupInUse = field(default_factory=SetupInUse, compare=False, repr=False)
 
@@ -778,6 +784,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         kv_cache_dtype=raw["kv_cache_dtype"], kind=raw["kind"], role=raw["role"],
         target_tokens_per_second=raw["target_tokens_per_second"] or defaults["target_tokens_per_second"],
         headroom=raw["headroom"] or defaults["headroom"],
+        speed_objective=raw["speed_objective"] or defaults["speed_objective"],
         resolved=resolved,
         static_urls=tuple(targets["static"]),
         dns=DnsTargets(**targets["dns"]) if targets["dns"] else None,

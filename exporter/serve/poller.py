@@ -44,7 +44,7 @@ from exporter.serve.engines.exposition import WantedLines
 from exporter.serve.lean_http import LeanPool, LeanResponse
 from exporter.serve.open_context import OpenContext, open_context
 from exporter.serve.process_identity import ProcessWatch
-from exporter.serve.reading import OpenContexts, Reading, derive_reading, server_wide_reading
+from exporter.serve.reading import OpenContexts, Reading, count_decode_tokens, derive_reading, server_wide_reading
 from exporter.serve.snapshot import Snapshot
 from exporter.serve.window import Window, compute_window, mixed_processes_window
 
@@ -910,6 +910,9 @@ class Poller:
             whole = server_wide_reading(ranks, window)
             if whole is not None:
                 readings.append(whole)
+        priors = {reading.identity: reading for reading in state.readings}
+        readings = [count_decode_tokens(reading, priors.get(reading.identity), deployment.target_tokens_per_second)
+                    for reading in readings]
         self._log_page_settings(state, deployment, readings)
         self._log_partial(state, readings)
         state.kind, state.last_error, state.last_success_seconds = kind, None, now

@@ -42,7 +42,7 @@ VALUE_FIELDS = ("target_scrape_duration_seconds", "target_last_success_timestamp
                 "measured_user_tokens_per_second", "tokens_per_step", "step_budget_seconds", "token_budget_tokens",
                 "token_budget_utilization_ratio", "engine_sleeping", "prefill_tokens_per_second",
                 "prefill_capacity_tokens_per_second", "prefill_utilization_ratio",
-                "measured_time_to_first_token_seconds")
+                "measured_time_to_first_token_seconds", "decode_tokens_total", "decode_tokens_at_target_total")
 # Values measured over the window between two polls: absent on a first poll, an idle window or a
 # counter reset, which is routine. Absent because the page lacks their source, they are worth a log.
 MEDIAN_FIELDS = ("measured_step_median_seconds", "measured_step_median_lower_seconds",
@@ -60,7 +60,7 @@ OPTIONAL_FIELDS = ("requests_waiting_for_capacity", "server_step_read_bytes", "s
                    "prefill_mean_context_tokens",
                    "engine_sleeping", "kv_cache_reserved_tokens", "kv_cache_shared_ratio",
                    "prefill_tokens_per_second", "prefill_capacity_tokens_per_second", "prefill_utilization_ratio",
-                   "measured_time_to_first_token_seconds")
+                   "measured_time_to_first_token_seconds", "decode_tokens_total", "decode_tokens_at_target_total")
 PREFILL_SERVER_ABSENT = ("step_read_bytes", "predicted_step_seconds", "predicted_memory_step_seconds",
                          "predicted_compute_step_seconds", "predicted_user_tokens_per_second", "tokens_per_step",
                          "step_budget_seconds", "token_budget_tokens", "token_budget_utilization_ratio")
@@ -185,6 +185,12 @@ class Reading:
     # The KV bytes per token the server allocated, where its page says (Snapshot.kv_cache_bytes_per_token;
     # not exported itself): the fit predicts each window with the setup the reading did (page_setup).
     kv_cache_bytes_per_token: float | None = None
+    # The per-user speed objective's evidence (count_decode_tokens): the window's tokens after each stream's
+    # first (Window.decode_tokens; not exported), and two counters from this daemon's first window of the
+    # engine on: those tokens, and the ones of windows whose measured per-user speed met the target.
+    window_decode_tokens: float | None = None
+    decode_tokens_total: float | None = None
+    decode_tokens_at_target_total: float | None = None
 
     @property
     def engine_sleeping(self) -> float | None:
@@ -209,11 +215,15 @@ class Reading:
     def down(self, *, scrape_duration_seconds: float, keep_values: bool) -> Reading:
         """This reading after a failed poll: up 0; values kept only while not yet stale."""
         if keep_values:
-            return replace_reading(self, target_up=False, scrape_duration_seconds=scrape_duration_seconds)
+            return replace_reading(self, target_up=False, scrape_duration_seconds=scrape_duration_seconds,
+                                   window_decode_tokens=None)
+        # The counters stay: a counter that vanished and came back from 0 would read as a reset.
         return Reading(deployment=self.deployment, target=self.target, model_name=self.model_name,
                        engine=self.engine, namespace=self.namespace, pod=self.pod, target_up=False,
                        scrape_duration_seconds=scrape_duration_seconds,
-                       last_success_timestamp_seconds=self.last_success_timestamp_seconds)
+                       last_success_timestamp_seconds=self.last_success_timestamp_seconds,
+                       decode_tokens_total=self.decode_tokens_total,
+                       decode_tokens_at_target_total=self.decode_tokens_at_target_total)
 
 
 _READING_FIELDS = frozenset(item.name for item in fields(Reading))
@@ -486,6 +496,7 @@ def derive_reading(deployment: Deployment, target: Target, snapshot: Snapshot, w
         measured_step_seconds=measured_mean, measured_step_median_seconds=median[0],
         measured_step_median_lower_seconds=median[1], measured_step_median_upper_seconds=median[2],
         measured_user_tokens_per_second=per_step / measured_mean if measured_mean else None,
+        window_decode_tokens=window.decode_tokens if window is not None and measured_mean else None,
         tokens_per_step=per_step, step_budget_seconds=budget_seconds,
         effective_bandwidth_bytes_per_second=setup.effective_bandwidth_bytes_per_second,
         bandwidth_source=rates_source, kind=snapshot.kind,
@@ -762,3 +773,22 @@ def _token_budget(setup: model.ServingSetup, budget_seconds: float, tokens: floa
     # Non-linear (sliding windows, MoE, a per-request cost): the budget depends on the context per request.
     context = tokens / running if tokens and running else IDLE_CONTEXT_TOKENS
     return model.token_budget_tokens(setup, budget_seconds, context)
+
+
+def count_decode_tokens(reading: Reading, prior: Reading | None, target_tokens_per_second: float) -> Reading:
+    """The reading with the speed objective's two counters carried on from the engine's prior reading: the
+    window's tokens after each stream's first, and those same tokens again where the window's measured
+    per-user speed (tokens per step / measured step) met the target. A window is judged as a whole: the
+    histogram's mean says how fast the streams went together, not which token came late. No window (a first
+    poll, an idle one, a counter reset) adds nothing; a prefill server has no decode speed to judge."""
+    if reading.role == "prefill" or not reading.target_up:
+        return reading
+    total = prior.decode_tokens_total if prior is not None and prior.decode_tokens_total is not None else 0.0
+    at_target = (prior.decode_tokens_at_target_total
+                 if prior is not None and prior.decode_tokens_at_target_total is not None else 0.0)
+    tokens, speed = reading.window_decode_tokens, reading.measured_user_tokens_per_second
+    if tokens and tokens > 0 and speed is not None:
+        total += tokens
+        if speed >= target_tokens_per_second:
+            at_target += tokens
+    return replace_reading(reading, decode_tokens_total=total, decode_tokens_at_target_total=at_target)

@@ -75,7 +75,13 @@ DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sle
                                                           # discovery's lifecycle, one process per target
                                                           "stepbudget_target_not_ready_since_timestamp_seconds",
                                                           "stepbudget_target_startup_allowance_seconds",
-                                                          "stepbudget_target_mixed_processes"})
+                                                          "stepbudget_target_mixed_processes",
+                                                          # the per-user speed objective (its SLI, its objective)
+                                                          "stepbudget_decode_tokens_total",
+                                                          "stepbudget_decode_tokens_at_target_total",
+                                                          "stepbudget_speed_objective_ratio",
+                                                          # speculative decoding counted: tokens per step / step
+                                                          "stepbudget_measured_user_tokens_per_second"})
 # Written by Prometheus itself for every scrape target.
 PROMETHEUS_METRICS: frozenset[str] = frozenset({"up"})
 
@@ -88,9 +94,11 @@ _IDENT = re.compile(r"(?<![\w:$.])([a-zA-Z_:][a-zA-Z0-9_:]*)\b(\s*\()?")
 
 
 def recorded_names() -> set[str]:
-    """Names the recording rules produce: legal for dashboards and later rules to read."""
-    groups = yaml.safe_load(RECORDING_FILE.read_text())["groups"]
-    return {rule["record"] for group in groups for rule in group["rules"]}
+    """Names the recording rules produce, the recording file's and the alerts file's own (the page's memory,
+    the speed objective's ratios, recorded beside the alerts that read them): legal for dashboards and
+    later rules to read."""
+    groups = [group for path in (RECORDING_FILE, ALERTS_FILE) for group in yaml.safe_load(path.read_text())["groups"]]
+    return {rule["record"] for group in groups for rule in group["rules"] if "record" in rule}
 
 
 def known_metrics() -> set[str]:
