@@ -132,8 +132,8 @@ RENDERED = {
                          "until the target reads under budget again.",
     ("StepBudgetKVCacheNearlyFull", 0.963): "The KV cache of 10.0.0.5:8000 "
                                             "(deployment chat, model Qwen/Qwen3-8B, engine 0) has been 96.3% full "
-                                            "(over 95%) "
-                                            "for 10 minutes.",
+                                            "(over 95%) for 10 minutes while requests waited for its capacity or "
+                                            "were preempted.",
     ("StepBudgetPreemptions", 1234.0): "10.0.0.5:8000 (deployment chat, model Qwen/Qwen3-8B, engine 0) "
                                        "preempted 1.234k requests in the last 5 minutes, "
                                        "and has kept preempting for 5 minutes.",
@@ -362,8 +362,11 @@ def held(r: Reading, minutes: int = 16) -> list[list[Reading]]:
     ({"prediction_error_ratio": -0.16}, {"StepBudgetPredictionDrift"}),
     ({"prediction_error_ratio": 0.16}, {"StepBudgetPredictionDrift"}),
     ({"prediction_error_ratio": 0.15}, set()),
-    ({"kv_cache_usage_ratio": 0.96}, {"StepBudgetKVCacheNearlyFull"}),
-    ({"kv_cache_usage_ratio": 0.95}, set()),
+    # Full while requests wait for its capacity; full with nobody waiting (vLLM under load, by design) is nothing.
+    ({"kv_cache_usage_ratio": 0.96, "requests_waiting_for_capacity": 2.0}, {"StepBudgetKVCacheNearlyFull"}),
+    ({"kv_cache_usage_ratio": 0.96, "requests_waiting_for_capacity": 0.0}, set()),
+    ({"kv_cache_usage_ratio": 0.96}, set()),
+    ({"kv_cache_usage_ratio": 0.95, "requests_waiting_for_capacity": 2.0}, set()),
 ])
 def test_each_condition(values: dict[str, object], expected: set[str], clock: ManualClock) -> None:
     assert firing_names(held(reading(**values)), clock) == expected
@@ -554,3 +557,21 @@ def test_a_pod_not_ready_past_its_allowance_as_promtool_sees_it(clock: ManualClo
                                 "deployment": "chat", "namespace": "llm", "pod": "vllm-2"}
     assert posted["annotations"]["description"].startswith(
         "Pod llm/vllm-2 (deployment chat) has not been Ready for 17m 0s, longer than")
+
+
+def test_a_full_cache_that_preempts_warns_where_the_page_cannot_say_who_waits(clock: ManualClock) -> None:
+    """A page without waiting-by-reason (vLLM before 0.32): full and preempting is the harm. Full with a flat
+    preemption counter is not."""
+    preempting = [[reading(kv_cache_usage_ratio=0.96, requests_waiting_for_capacity=None,
+                           preemptions_total=float(minute))] for minute in range(17)]
+    assert firing_names(preempting, clock) == {"StepBudgetKVCacheNearlyFull", "StepBudgetPreemptions"}
+    flat = [[reading(kv_cache_usage_ratio=0.96, requests_waiting_for_capacity=None, preemptions_total=3.0)]] * 17
+    assert firing_names(flat, clock) == set()
+
+
+def test_no_targets_is_silent_for_a_pool_that_scales_to_zero_on_purpose(clock: ManualClock) -> None:
+    alerts = AlertLoop(Alerting(), poll_interval_seconds=60, clock=clock, scales_to_zero=["keda"])
+    for _ in range(12):
+        alerts.evaluate([], clock.now, deployment_targets=[("keda", 0), ("typo", 0)])
+        clock.advance(60)
+    assert alerts.firing() == [{"alertname": "StepBudgetNoTargets", "deployment": "typo"}]

@@ -51,7 +51,8 @@ SPEED_RATIOS = {f"deployment_model_name:stepbudget_decode_tokens_under_target:ra
                 for window in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")}
 POOL_ALERTS = {"StepBudgetExporterAbsent", SPEED_BURN, "StepBudgetSpeedBudgetSlowBurn"}
 # Request counts say nothing about step time; no alert may read them.
-REQUEST_COUNT_PATTERN = re.compile(r"requests?_(running|waiting|total)|num_requests|request_success")
+# Requests waiting for KV capacity are no such count: they are the harm of a full cache (KVCacheNearlyFull).
+REQUEST_COUNT_PATTERN = re.compile(r"requests?_(running|waiting(?!_for_capacity)|total)|num_requests|request_success")
 
 
 PAGE = "StepBudgetPredictedStepOverBudget"
@@ -244,10 +245,17 @@ THRESHOLD_MUTATIONS = [
      "(stepbudget_prefill_tokens_per_step) >= 0"),
     ("StepBudgetPrefillOverCapacity", "> 0.9", ">= 0.9"),
     ("StepBudgetKVCacheNearlyFull", "> 0.95", ">= 0.95"),
+    # Full with nobody waiting and nothing preempted is not harm.
+    ("StepBudgetKVCacheNearlyFull", "(stepbudget_requests_waiting_for_capacity) > 0",
+     "(stepbudget_requests_waiting_for_capacity) >= 0"),
+    ("StepBudgetKVCacheNearlyFull", "(increase(stepbudget_preemptions_total[5m])) > 0",
+     "(increase(stepbudget_preemptions_total[5m])) >= 0"),
     ("StepBudgetPreemptions", "> 0", ">= 0"),
     ("StepBudgetExporterAbsent", "up == 0", "up <= 1"),
     ("StepBudgetNoTargets", "== 0", "<= 1"),
     ("StepBudgetNoTargets", "max without", "min without"),
+    # A pool that scales to zero on purpose is silent; one that does not say so is not.
+    ("StepBudgetNoTargets", "scales_to_zero) == 1", "scales_to_zero) == 2"),
     # A pod exactly at its allowance is not over it.
     ("StepBudgetTargetNotReady", "> on (deployment)", ">= on (deployment)"),
 ]

@@ -46,7 +46,7 @@ COMMON = {"stepbudget_step_budget_seconds": 0.015625, "stepbudget_target_up": 1,
 PER_DEPLOYMENT = {"stepbudget_kv_bytes_per_token", "stepbudget_weight_bytes", "stepbudget_model_info",
                   "stepbudget_deployment_targets"}
 # Per deployment, what the speed objective's rules join the pools' ratios with.
-DEPLOYMENT_VALUES = {"stepbudget_speed_objective_ratio": 0.99}
+DEPLOYMENT_VALUES = {"stepbudget_speed_objective_ratio": 0.99, "stepbudget_deployment_scales_to_zero": 0}
 # Counters that grow, tokens per second: a's streams under the target, b's at it.
 GROWING = {"a": {"stepbudget_decode_tokens_total": 64, "stepbudget_decode_tokens_at_target_total": 0},
            "b": {"stepbudget_decode_tokens_total": 64, "stepbudget_decode_tokens_at_target_total": 64}}

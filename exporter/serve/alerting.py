@@ -33,7 +33,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -155,7 +155,13 @@ def _prefill_over_capacity(reading: Reading, history: History) -> float | None:
 
 
 def _kv_nearly_full(reading: Reading, history: History) -> float | None:
-    return _over(reading.kv_cache_usage_ratio, KV_CACHE_NEARLY_FULL_RATIO)
+    """Full while it harms: requests wait for its capacity, or running ones were preempted in the window.
+    Full alone is how vLLM runs under load (it admits until the cache is full)."""
+    usage = _over(reading.kv_cache_usage_ratio, KV_CACHE_NEARLY_FULL_RATIO)
+    if usage is None:
+        return None
+    harmed = _over(reading.requests_waiting_for_capacity, 0.0) is not None or _preempting(reading, history) is not None
+    return usage if harmed else None
 
 
 def _preempting(reading: Reading, history: History) -> float | None:
@@ -184,11 +190,11 @@ CONDITIONS: dict[str, Condition] = {
 PROMETHEUS_ONLY = frozenset({"StepBudgetExporterAbsent", "StepBudgetSpeedBudgetBurn", "StepBudgetSpeedBudgetSlowBurn"})
 # Per deployment, from the poll's target counts (PollResult.deployment_targets), labelled `deployment`
 # only, as `sum without (instance, job)` leaves the rule's series. The value is the count.
-DeploymentCondition = Callable[[int], "float | None"]
+DeploymentCondition = Callable[[int, bool], "float | None"]  # (targets found, scales to zero on purpose)
 
 
-def _no_targets(count: int) -> float | None:
-    return 0.0 if count == 0 else None
+def _no_targets(count: int, scales_to_zero: bool) -> float | None:
+    return 0.0 if count == 0 and not scales_to_zero else None
 
 
 DEPLOYMENT_CONDITIONS: dict[str, DeploymentCondition] = {"StepBudgetNoTargets": _no_targets}
@@ -307,7 +313,8 @@ class AlertLoop:
 
     def __init__(self, config: Alerting, *, poll_interval_seconds: float, generator_url: str = "",
                  clock: Callable[[], float] = time.time, post: Post | None = None,
-                 rules: Sequence[AlertRule] | None = None, deployment_alerts: bool = True) -> None:
+                 rules: Sequence[AlertRule] | None = None, deployment_alerts: bool = True,
+                 scales_to_zero: Collection[str] = ()) -> None:
         self._urls = config.alertmanager_urls
         self._timeout = config.timeout_seconds
         self._generator_url = redact(config.generator_url or generator_url)
@@ -323,6 +330,7 @@ class AlertLoop:
         self._deployment_rules = tuple(rule for rule in self.rules
                                        if rule.name in DEPLOYMENT_CONDITIONS and deployment_alerts)
         self._pod_rules = tuple(rule for rule in self.rules if rule.name in POD_CONDITIONS)
+        self._scales_to_zero = frozenset(scales_to_zero)  # deployments that run no server on purpose at times
         self._alerts: dict[tuple[str, SeriesKey], _Alert] = {}
         self._history: dict[SeriesKey, History] = {}
         self._lock = threading.Lock()
@@ -352,7 +360,7 @@ class AlertLoop:
                         active.add(self._hold(rule, labels, series, value, now))
             for name, count in deployment_targets:
                 for rule in self._deployment_rules:
-                    value = DEPLOYMENT_CONDITIONS[rule.name](count)
+                    value = DEPLOYMENT_CONDITIONS[rule.name](count, name in self._scales_to_zero)
                     if value is not None:
                         labels = {"deployment": name}
                         active.add(self._hold(rule, labels, tuple(labels.items()), value, now))

@@ -377,6 +377,8 @@ class StepBudgetCollector(Collector):
     def _per_deployment(self, readings: Sequence[Reading]) -> Iterator[Metric]:
         kv = Metric("stepbudget_kv_bytes_per_token", "KV cache bytes one token costs per GPU, all layers.", "gauge")
         weights = Metric("stepbudget_weight_bytes", "Model weight bytes resident on each GPU.", "gauge")
+        scales = Metric("stepbudget_deployment_scales_to_zero", "1 where the deployment runs no server at times on "
+                        "purpose (scales_to_zero): StepBudgetNoTargets stays silent for it; else 0.", "gauge")
         objective = Metric(SPEED_OBJECTIVE_METRIC, "The speed SLO (speed_objective): the share of decode tokens to "
                            "stream at or above target_tokens_per_second, 0-1; the burn-rate rules read it.", "gauge")
         info = Metric("stepbudget_model", "The model and hardware each deployment is predicted with; "
@@ -404,6 +406,7 @@ class StepBudgetCollector(Collector):
             weights.add_sample(weights.name, labels,
                                model.weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
             objective.add_sample(objective.name, labels, deployment.speed_objective)
+            scales.add_sample(scales.name, labels, 1.0 if deployment.scales_to_zero else 0.0)
             info.add_sample("stepbudget_model_info", {
                 "deployment": deployment.name, "model": deployment.model, "gpu": deployment.gpu,
                 "tensor_parallel": str(deployment.tensor_parallel),
@@ -415,6 +418,7 @@ class StepBudgetCollector(Collector):
         yield kv
         yield weights
         yield objective
+        yield scales
         yield info
         yield from self._parameters()
 

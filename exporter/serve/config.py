@@ -376,6 +376,8 @@ DEPLOYMENT_KEYS: Table = {
                        "where fitted (source `calibrated`)"),
     "target_tokens_per_second": Key(positive, None, "overrides defaults.target_tokens_per_second"),
     "speed_objective": Key(ratio, None, "overrides defaults.speed_objective"),
+    "scales_to_zero": Key(boolean, False, "the pool runs no server at times on purpose (a KEDA ScaledObject with "
+                                          "minReplicaCount 0): StepBudgetNoTargets stays silent for it"),
     "headroom": Key(ratio, None, "overrides defaults.headroom"),
     "online_calibration": Key(section(ONLINE_CALIBRATION_KEYS), None,
                               "overrides defaults.online_calibration key by key"),
@@ -597,6 +599,7 @@ class Deployment:
     online_calibration: OnlineSettings | None = None
     role: str = "auto"  # auto | prefill | decode | both (SERVER_ROLES)
     speed_objective: float = DEFAULT_SPEED_OBJECTIVE  # share of decode tokens to stream at the target or faster
+    scales_to_zero: bool = False  # no server at times on purpose: no StepBudgetNoTargets
     # The setup predictions use now: the seed until the online fit replaces it (exporter.serve.online_calibration).
     setup_in_use: SetupInUse = field(default_factory=SetupInUse, compare=False, repr=False)
 
@@ -785,6 +788,7 @@ def _build_deployment(raw: dict[str, Any], defaults: dict[str, Any], where: Wher
         target_tokens_per_second=raw["target_tokens_per_second"] or defaults["target_tokens_per_second"],
         headroom=raw["headroom"] or defaults["headroom"],
         speed_objective=raw["speed_objective"] or defaults["speed_objective"],
+        scales_to_zero=raw["scales_to_zero"],
         resolved=resolved,
         static_urls=tuple(targets["static"]),
         dns=DnsTargets(**targets["dns"]) if targets["dns"] else None,

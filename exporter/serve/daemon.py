@@ -209,7 +209,8 @@ def build_daemon(config: Config) -> Daemon:
     # so only Prometheus, summing over the shards, raises StepBudgetNoTargets for a sharded daemon.
     alert_loop = AlertLoop(config.alerting, poll_interval_seconds=config.poll_interval_seconds,
                            generator_url=f"http://{host or _hostname()}:{server.port}/",
-                           deployment_alerts=shard is None or shard.count == 1)
+                           deployment_alerts=shard is None or shard.count == 1,
+                           scales_to_zero=[d.name for d in config.deployments if d.scales_to_zero])
     calibrator = OnlineCalibrator(config.deployments)
     if calibrator.deployments:
         # Before the alert loop, so a poll's refit is in place for the next poll's predictions.

@@ -80,6 +80,9 @@ DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sle
                                                           "stepbudget_decode_tokens_total",
                                                           "stepbudget_decode_tokens_at_target_total",
                                                           "stepbudget_speed_objective_ratio",
+                                                          "stepbudget_deployment_scales_to_zero",
+                                                          # KVCacheNearlyFull's harm: requests waiting for it
+                                                          "stepbudget_requests_waiting_for_capacity",
                                                           # speculative decoding counted: tokens per step / step
                                                           "stepbudget_measured_user_tokens_per_second"})
 # Written by Prometheus itself for every scrape target.
