@@ -335,8 +335,12 @@ class _Span:
         # no poll says where it stood, so the window reads its chunks from the histogram's steps, as prompts
         # of their own, and what its later chunks attended to of its earlier ones is not read (docs/engines.md,
         # "A prompt part-way through its prefill"; a CI run and a run here met one: a 3,500-token prompt
-        # admitted just after a poll, read 692k pairs short of its 6.13M).
-        unseen = [] if part_way_on_the_page_at_start else [tokens for tokens in counted if tokens > CHUNK_TOKENS]
+        # admitted just after a poll, read 692k pairs short of its 6.13M). The page shows one part-way at most
+        # (vLLM computes one long prompt at a time): where it had one at the start, that one is the window's
+        # first long prompt, and any later one ran wholly inside the window (a make test run here: 3,500, 166
+        # and 3,500 tokens in one window, read 269k pairs short of 12.3M).
+        longs = [tokens for tokens in counted if tokens > CHUNK_TOKENS]
+        unseen = longs[1:] if part_way_on_the_page_at_start else longs
         return _Span(self.read_tokens + prefill_per_step * steps, self.counted_tokens + sum(counted),
                      self.read_attended + prefill_per_step * steps * (mean_context or 0.0),
                      self.counted_attended + sum(tokens ** 2 / 2 for tokens in counted),
