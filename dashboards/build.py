@@ -26,6 +26,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
+    DashboardLinkType,
     DataSourceRef,
     DynamicConfigValue,
     Threshold,
@@ -56,6 +57,10 @@ class Query:
     legend: str
 
 
+# Where each alert's runbook section lives; the chart rewrites it with prometheusRule.runbookBaseUrl, in the
+# rules and these dashboards alike.
+RUNBOOK_URL = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
+FIRING = 'ALERTS{alertname=~"StepBudget.+", alertstate="firing"}'
 # The speed objective's recorded SLI (the alerts file's speed-objective group) and the share of decode tokens
 # its objective allows under the target, per deployment.
 SPEED_ERRORS = "deployment_model_name:stepbudget_decode_tokens_under_target:ratio_rate"
@@ -193,11 +198,45 @@ def _base(uid: str, title: str, description: str) -> dash.Dashboard:
         .time("now-3h", "now")
         .timezone("browser")
         .tooltip(DashboardCursorSync.CROSSHAIR)
+        # Every stepbudget dashboard one click away, the variables and time range kept; the runbook beside them.
+        .links([dash.DashboardLink("stepbudget").type(DashboardLinkType.DASHBOARDS).tags(TAGS).as_dropdown(False)
+                .include_vars(True).keep_time(True),
+                dash.DashboardLink("Runbook").type(DashboardLinkType.LINK).url(RUNBOOK_URL).target_blank(True)])
         .with_variable(dash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(query_variable("deployment", "Deployment", "label_values(stepbudget_target_up, deployment)"))
         .with_variable(query_variable(
             "model", "Model", 'label_values(stepbudget_target_up{deployment=~"$deployment"}, model_name)'))
     )
+
+
+def stat(panel_id: int, title: str, unit: str, description: str, query: Query, *, limit: float | None) -> Stat:
+    """A single number, red from `limit` on."""
+    return (Stat().id(panel_id).title(title).unit(unit).datasource(DATASOURCE).description(description)
+            .targets(_targets([query])).thresholds(_thresholds(limit)).height(PANEL_HEIGHT // 2).span(QUARTER))
+
+
+def status_row(first_panel_id: int) -> tuple[str, list[Panel]]:
+    """What on-call reads first, in the dashboard's first 30 seconds: anything firing, any pool over its token
+    budget, how fast the speed objective's budget burns. Each always has a number (0 rather than no data)."""
+    sel = POOL_SELECTOR
+    utilization = f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}"
+    return ("Now", [
+        stat(first_panel_id, "Firing stepbudget alerts", "none",
+             "stepbudget alerts firing in Prometheus now, every pool and target (Alertmanager groups them by "
+             "pool; docs/runbook.md has a section per alert).",
+             Query(f"count({FIRING}) or vector(0)", "firing"), limit=1),
+        stat(first_panel_id + 1, "Pools over their token budget", "none",
+             "Pools (deployment and model) whose tokens in flight exceed the sum of their replicas' token budgets.",
+             Query(f"count({utilization} > 1) or vector(0)", "pools"), limit=1),
+        stat(first_panel_id + 2, "Highest pool token budget utilization", "percentunit",
+             "The busiest pool's tokens in flight per token budget; over 100% its streams are slower than target.",
+             Query(f"max({utilization})", "utilization"), limit=1),
+        stat(first_panel_id + 3, "Fastest speed budget burn (1h)", "none",
+             "The fastest pool's speed error budget burn over the last hour: 14.4 pages (with the 5m window), "
+             "1 spends the month's budget in the month.",
+             Query(f"max({SPEED_ERRORS}1h{{{sel}}} / on (deployment) group_left () {ALLOWED_ERRORS})", "burn"),
+             limit=14.4),
+    ])
 
 
 def overview() -> dash.Dashboard:
@@ -211,6 +250,7 @@ def overview() -> dash.Dashboard:
         "target", "Target",
         f"label_values(stepbudget_target_up{{{POOL_SELECTOR}}}, target)"))
     rows = [
+        status_row(50),
         ("Step time against the budget", [
             timeseries(
                 1, "Predicted vs measured step time", "s",
@@ -352,6 +392,7 @@ def pools() -> dash.Dashboard:
         "budget and KV capacity, the worst replica's step time, and how many replicas are over budget.",
     )
     rows = [
+        status_row(50),
         ("Pool capacity", [
             timeseries(
                 1, "Pool tokens in flight vs token budget and KV capacity", "short",

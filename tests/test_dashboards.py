@@ -113,9 +113,16 @@ def test_every_panel_has_a_unit_an_id_and_the_datasource_variable(path) -> None:
             assert variable["datasource"]["uid"] == "${datasource}"
 
 
+# The first row of each dashboard, what on-call reads first: what is wrong anywhere, not only in the selection.
+STATUS_PANELS = ["Firing stepbudget alerts", "Pools over their token budget", "Highest pool token budget utilization",
+                 "Fastest speed budget burn (1h)"]
+
+
 def test_overview_queries_follow_the_variables() -> None:
-    """Changing deployment, model or target must filter every overview panel."""
+    """Changing deployment, model or target must filter every overview panel but the status row's."""
     for panel in _panels(_load("stepbudget-overview")):
+        if panel["title"] in STATUS_PANELS:
+            continue
         for target in panel["targets"]:
             for matcher in ('deployment=~"$deployment"', 'model_name=~"$model"', 'target=~"$target"'):
                 assert matcher in target["expr"], (panel["title"], target["expr"])
@@ -170,3 +177,21 @@ def test_the_step_time_panel_shows_the_median_as_its_bucket_and_the_runbook_conf
     assert "stepbudget_measured_step_median_lower_seconds" in confirm
     assert "stepbudget_measured_step_median_upper_seconds" in confirm
     assert "median) lines are above the budget" not in confirm  # the old confirmation, by the interpolation
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
+def test_each_dashboard_opens_on_its_status_and_links_to_the_others_and_the_runbook(path) -> None:
+    """The first row: anything firing, pools over budget, the busiest pool, the fastest speed budget burn; each
+    a number even when all is well (0, not "No data"). Then the links: every stepbudget dashboard, keeping
+    the variables and time range, and the runbook."""
+    dashboard = json.loads(path.read_text())
+    first_row = dashboard["panels"][0]
+    assert first_row["type"] == "row" and first_row["title"] == "Now"
+    status = [panel["title"] for panel in dashboard["panels"][1:1 + len(STATUS_PANELS)]]
+    assert status == STATUS_PANELS
+    counts = [panel["targets"][0]["expr"] for panel in dashboard["panels"][1:3]]
+    assert all(expr.endswith(" or vector(0)") for expr in counts), counts
+    links = {link["title"]: link for link in dashboard["links"]}
+    assert links["stepbudget"]["type"] == "dashboards" and links["stepbudget"]["tags"] == ["stepbudget"]
+    assert links["stepbudget"]["includeVars"] and links["stepbudget"]["keepTime"]
+    assert links["Runbook"]["url"].endswith("docs/runbook.md")

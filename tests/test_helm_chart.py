@@ -326,7 +326,12 @@ def test_dashboard_config_maps_carry_the_sidecar_label_and_the_json(values: Path
         config_map = by_file[path.name]
         assert config_map["metadata"]["labels"][settings["label"]] == "1"
         assert config_map["metadata"]["namespace"] == (settings["namespace"] or NAMESPACE)
-        assert json.loads(config_map["data"][path.name]) == json.loads(path.read_text())
+        # The runbook link from the same base as the rules' runbook_url.
+        base = _values(values)["prometheusRule"]["runbookBaseUrl"] or DEFAULT_RUNBOOK_BASE
+        assert json.loads(config_map["data"][path.name]) == json.loads(
+            path.read_text().replace(DEFAULT_RUNBOOK_BASE, base))
+        (runbook,) = [link for link in json.loads(config_map["data"][path.name])["links"] if link["title"] == "Runbook"]
+        assert runbook["url"] == base
 
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=_id)

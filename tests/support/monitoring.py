@@ -86,7 +86,7 @@ DAEMON_METRICS_BEYOND_DESIGN: frozenset[str] = frozenset({"stepbudget_engine_sle
                                                           # speculative decoding counted: tokens per step / step
                                                           "stepbudget_measured_user_tokens_per_second"})
 # Written by Prometheus itself for every scrape target.
-PROMETHEUS_METRICS: frozenset[str] = frozenset({"up"})
+PROMETHEUS_METRICS: frozenset[str] = frozenset({"up", "ALERTS"})  # ALERTS: the alerts it evaluates
 
 _KEYWORDS = frozenset(
     {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
