@@ -61,6 +61,9 @@ class Query:
 # rules and these dashboards alike.
 RUNBOOK_URL = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
 FIRING = 'ALERTS{alertname=~"StepBudget.+", alertstate="firing"}'
+# How a legend names a model server: its pod where discovery knows one (Kubernetes), then its address; a label
+# a series lacks renders empty in Grafana's legend.
+WHO = "{{pod}} {{target}}"
 # The speed objective's recorded SLI (the alerts file's speed-objective group) and the share of decode tokens
 # its objective allows under the target, per deployment.
 SPEED_ERRORS = "deployment_model_name:stepbudget_decode_tokens_under_target:ratio_rate"
@@ -151,7 +154,7 @@ def target_up_panel(panel_id: int) -> StateTimeline:
                      "(stepbudget_target_up). A target down for 5m raises StepBudgetTargetDown.")
         .unit("none")
         .datasource(DATASOURCE)
-        .targets(_targets([Query(per_target("stepbudget_target_up"), "{{target}}")]))
+        .targets(_targets([Query(per_target("stepbudget_target_up"), WHO)]))
         .mappings([mapping])
         .thresholds(_thresholds(None))
         .height(PANEL_HEIGHT)
@@ -258,36 +261,36 @@ def overview() -> dash.Dashboard:
                 "(exact: ITL sum / count over the poll window), the ITL bucket the median lies in (more than "
                 "half the steps above its low edge, at least half at or under its high edge: a histogram says "
                 "no more), and the step budget (dashed red). Predicted above budget for 5m pages.",
-                [Query(per_target("stepbudget_predicted_step_seconds"), "{{target}} predicted"),
-                 Query(per_target("stepbudget_measured_step_seconds"), "{{target}} measured mean"),
+                [Query(per_target("stepbudget_predicted_step_seconds"), f"{WHO} predicted"),
+                 Query(per_target("stepbudget_measured_step_seconds"), f"{WHO} measured mean"),
                  Query(per_target("stepbudget_measured_step_median_lower_seconds"),
-                       "{{target}} median bucket low"),
+                       f"{WHO} median bucket low"),
                  Query(per_target("stepbudget_measured_step_median_upper_seconds"),
-                       "{{target}} median bucket high"),
-                 Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
+                       f"{WHO} median bucket high"),
+                 Query(per_target("stepbudget_step_budget_seconds"), f"{WHO} budget")],
                 budget_legend=".* budget$", min_value=0),
             timeseries(
                 2, "Step time per budget", "percentunit",
                 "Predicted and measured step time as a share of the step budget; above 100% every stream "
                 "on the target is slower than its speed target.",
                 [Query(f"target:stepbudget_predicted_step_per_budget:ratio{{{TARGET_SELECTOR}}}",
-                       "{{target}} predicted"),
+                       f"{WHO} predicted"),
                  Query(f"target:stepbudget_measured_step_per_budget:ratio{{{TARGET_SELECTOR}}}",
-                       "{{target}} measured")],
+                       f"{WHO} measured")],
                 limit=1, min_value=0),
             timeseries(
                 3, "Predicted memory vs compute step", "s",
                 "The two terms of the prediction: bytes read per step over bandwidth (memory) and FLOPs of "
                 "decode plus prefill tokens over compute. Compute above memory means prompt chunks set the pace.",
-                [Query(per_target("stepbudget_predicted_memory_step_seconds"), "{{target}} memory"),
-                 Query(per_target("stepbudget_predicted_compute_step_seconds"), "{{target}} compute"),
-                 Query(per_target("stepbudget_step_budget_seconds"), "{{target}} budget")],
+                [Query(per_target("stepbudget_predicted_memory_step_seconds"), f"{WHO} memory"),
+                 Query(per_target("stepbudget_predicted_compute_step_seconds"), f"{WHO} compute"),
+                 Query(per_target("stepbudget_step_budget_seconds"), f"{WHO} budget")],
                 budget_legend=".* budget$", min_value=0),
             timeseries(
                 4, "Prediction error", "percentunit",
                 "(predicted - measured) / measured. Outside ±15% for 15m raises StepBudgetPredictionDrift: "
                 "refit with `stepbudget calibrate`.",
-                [Query(per_target("stepbudget_prediction_error_ratio"), "{{target}}")],
+                [Query(per_target("stepbudget_prediction_error_ratio"), f"{WHO}")],
                 limit=0.15),
         ]),
         ("Tokens in flight", [
@@ -297,23 +300,23 @@ def overview() -> dash.Dashboard:
                 "prefix several requests share counted once for each); against the most that fits the step "
                 "budget (token budget, dashed red). KV used: what the cache holds (a shared block once); "
                 "against the KV capacity. Speed runs out at the budget, memory at capacity.",
-                [Query(per_target("stepbudget_tokens_in_flight"), "{{target}} in flight"),
-                 Query(per_target("stepbudget_token_budget_tokens"), "{{target}} token budget"),
-                 Query(per_target("stepbudget_kv_cache_used_tokens"), "{{target}} KV used"),
-                 Query(per_target("stepbudget_kv_cache_capacity_tokens"), "{{target}} KV capacity")],
+                [Query(per_target("stepbudget_tokens_in_flight"), f"{WHO} in flight"),
+                 Query(per_target("stepbudget_token_budget_tokens"), f"{WHO} token budget"),
+                 Query(per_target("stepbudget_kv_cache_used_tokens"), f"{WHO} KV used"),
+                 Query(per_target("stepbudget_kv_cache_capacity_tokens"), f"{WHO} KV capacity")],
                 budget_legend=".* token budget$", min_value=0),
             timeseries(
                 6, "Token budget utilization", "percentunit",
                 "Tokens in flight as a share of the token budget. The chart's KEDA example scales replicas "
                 "on the pool's value of this ratio.",
-                [Query(per_target("stepbudget_token_budget_utilization_ratio"), "{{target}}")],
+                [Query(per_target("stepbudget_token_budget_utilization_ratio"), f"{WHO}")],
                 width=QUARTER, limit=1, min_value=0),
             timeseries(
                 14, "KV shared by prefix caching", "percentunit",
                 "Share of the tokens in flight whose KV another running request holds too: 1 - KV used / "
                 "tokens in flight. N requests on one long shared prompt approach 1 - 1/N: the cache holds "
                 "far less than each step reads.",
-                [Query(per_target("stepbudget_kv_cache_shared_ratio"), "{{target}}")],
+                [Query(per_target("stepbudget_kv_cache_shared_ratio"), f"{WHO}")],
                 width=QUARTER, min_value=0).max(1),
         ]),
         ("Per-user speed", [
@@ -321,39 +324,39 @@ def overview() -> dash.Dashboard:
                 7, "Per-user tokens/s vs target", TOKENS_PER_SECOND,
                 "Every decoding request gets one token per step: predicted and measured tokens/s per user, "
                 "and the speed at the step budget (target tokens/s divided by headroom, dashed red).",
-                [Query(per_target("stepbudget_predicted_user_tokens_per_second"), "{{target}} predicted"),
+                [Query(per_target("stepbudget_predicted_user_tokens_per_second"), f"{WHO} predicted"),
                  Query(f"target:stepbudget_measured_user_tokens_per_second:mean{{{TARGET_SELECTOR}}}",
-                       "{{target}} measured"),
-                 Query(f"1 / {per_target('stepbudget_step_budget_seconds')}", "{{target}} speed at budget")],
+                       f"{WHO} measured"),
+                 Query(f"1 / {per_target('stepbudget_step_budget_seconds')}", f"{WHO} speed at budget")],
                 budget_legend=".* speed at budget$", min_value=0),
             timeseries(
                 8, "Bytes read per step", "bytes",
                 "Weights read once per step plus every running request's KV cache.",
-                [Query(per_target("stepbudget_step_read_bytes"), "{{target}}")], min_value=0),
+                [Query(per_target("stepbudget_step_read_bytes"), f"{WHO}")], min_value=0),
         ]),
         ("Batch, cache and health", [
             timeseries(
                 9, "Prefill tokens per step", "short",
                 "Prompt tokens processed per engine step. High values with steps over budget while tokens "
                 "in flight fit mean prefill interference: lower max_num_batched_tokens.",
-                [Query(per_target("stepbudget_prefill_tokens_per_step"), "{{target}}")], width=THIRD, min_value=0),
+                [Query(per_target("stepbudget_prefill_tokens_per_step"), f"{WHO}")], width=THIRD, min_value=0),
             timeseries(
                 10, "Preemptions", "reqps",
                 "Requests preempted per second (5m rate): the server dropped their KV cache to make room.",
-                [Query(f'target:stepbudget_preemptions:rate5m{{{TARGET_SELECTOR}}}', "{{target}}")],
+                [Query(f'target:stepbudget_preemptions:rate5m{{{TARGET_SELECTOR}}}', f"{WHO}")],
                 width=THIRD, min_value=0),
             timeseries(
                 11, "KV cache usage", "percentunit",
                 "Share of the KV cache held (memory: a block several requests share counted once). Above 95% "
                 "for 10m raises StepBudgetKVCacheNearlyFull.",
-                [Query(per_target("stepbudget_kv_cache_usage_ratio"), "{{target}}")],
+                [Query(per_target("stepbudget_kv_cache_usage_ratio"), f"{WHO}")],
                 width=THIRD, limit=0.95, min_value=0).max(1),
             target_up_panel(12),
             timeseries(
                 13, "Effective bandwidth", "Bps",
                 "Memory bandwidth the model uses for this target, and where it came from (configured, "
                 "calibrated, or the default share of peak).",
-                [Query(per_target("stepbudget_effective_bandwidth_bytes_per_second"), "{{target}} ({{source}})")],
+                [Query(per_target("stepbudget_effective_bandwidth_bytes_per_second"), f"{WHO} ({{{{source}}}})")],
                 min_value=0),
         ]),
         # A prefill-only server (P/D disaggregation) has no decode step: the panels above stay empty for it.
@@ -362,20 +365,20 @@ def overview() -> dash.Dashboard:
                 15, "Prefill tokens/s vs prefill capacity", TOKENS_PER_SECOND,
                 "Prompt tokens a prefill-only server computed per second (prefix-cache hits excluded), and what "
                 "its compute allows: effective compute / (2 x active parameters), dashed red.",
-                [Query(per_target("stepbudget_prefill_tokens_per_second"), "{{target}} computed"),
-                 Query(per_target("stepbudget_prefill_capacity_tokens_per_second"), "{{target}} capacity")],
+                [Query(per_target("stepbudget_prefill_tokens_per_second"), f"{WHO} computed"),
+                 Query(per_target("stepbudget_prefill_capacity_tokens_per_second"), f"{WHO} capacity")],
                 width=THIRD, budget_legend=".* capacity$", min_value=0),
             timeseries(
                 16, "Prefill utilization", "percentunit",
                 "Prefill tokens/s as a share of the prefill capacity. Above 90% for 10m raises "
                 "StepBudgetPrefillOverCapacity.",
-                [Query(per_target("stepbudget_prefill_utilization_ratio"), "{{target}}")],
+                [Query(per_target("stepbudget_prefill_utilization_ratio"), f"{WHO}")],
                 width=THIRD, limit=0.9, min_value=0),
             timeseries(
                 17, "Time to first token", "s",
                 "Mean time to first token over each poll window (the server's TTFT histogram): what a prefill "
                 "pool short of compute costs its users.",
-                [Query(per_target("stepbudget_measured_time_to_first_token_seconds"), "{{target}}")],
+                [Query(per_target("stepbudget_measured_time_to_first_token_seconds"), f"{WHO}")],
                 width=THIRD, min_value=0),
         ]),
     ]

@@ -195,3 +195,10 @@ def test_each_dashboard_opens_on_its_status_and_links_to_the_others_and_the_runb
     assert links["stepbudget"]["type"] == "dashboards" and links["stepbudget"]["tags"] == ["stepbudget"]
     assert links["stepbudget"]["includeVars"] and links["stepbudget"]["keepTime"]
     assert links["Runbook"]["url"].endswith("docs/runbook.md")
+
+
+def test_overview_legends_name_the_pod_before_the_address() -> None:
+    """On-call knows pods by name, not by IP: where discovery gives a pod, the legend shows it."""
+    legends = [target["legendFormat"] for panel in _panels(_load("stepbudget-overview"))
+               for target in panel.get("targets", []) if "{{target}}" in target.get("legendFormat", "")]
+    assert legends and all(legend.startswith("{{pod}} {{target}}") for legend in legends), legends
