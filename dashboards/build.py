@@ -41,7 +41,9 @@ OUTPUT_DIR = Path(__file__).resolve().parent
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAGS = ["stepbudget"]
 # Label matchers driven by the dashboard variables.
-POOL_SELECTOR = 'deployment=~"$deployment", model_name=~"$model"'
+# `cluster` keeps apart pools of one name in several clusters on a global Prometheus (Thanos, Mimir); where
+# series carry no `cluster` label, All (.*) matches them.
+POOL_SELECTOR = 'cluster=~"$cluster", deployment=~"$deployment", model_name=~"$model"'
 TARGET_SELECTOR = POOL_SELECTOR + ', target=~"$target"'
 TOKENS_PER_SECOND = "suffix: tok/s"  # Grafana custom unit: no built-in tokens/s
 PANEL_HEIGHT = 8
@@ -60,14 +62,15 @@ class Query:
 # Where each alert's runbook section lives; the chart rewrites it with prometheusRule.runbookBaseUrl, in the
 # rules and these dashboards alike.
 RUNBOOK_URL = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
-FIRING = 'ALERTS{alertname=~"StepBudget.+", alertstate="firing"}'
+FIRING = 'ALERTS{alertname=~"StepBudget.+", alertstate="firing", cluster=~"$cluster"}'
 # How a legend names a model server: its pod where discovery knows one (Kubernetes), then its address; a label
 # a series lacks renders empty in Grafana's legend.
 WHO = "{{pod}} {{target}}"
 # The speed objective's recorded SLI (the alerts file's speed-objective group) and the share of decode tokens
 # its objective allows under the target, per deployment.
 SPEED_ERRORS = "deployment_model_name:stepbudget_decode_tokens_under_target:ratio_rate"
-ALLOWED_ERRORS = '(1 - max without (instance, job) (stepbudget_speed_objective_ratio{deployment=~"$deployment"}))'
+ALLOWED_ERRORS = ('(1 - max without (instance, job) '
+                  '(stepbudget_speed_objective_ratio{cluster=~"$cluster", deployment=~"$deployment"}))')
 
 
 def per_target(metric: str, selector: str = TARGET_SELECTOR) -> str:
@@ -206,9 +209,12 @@ def _base(uid: str, title: str, description: str) -> dash.Dashboard:
                 .include_vars(True).keep_time(True),
                 dash.DashboardLink("Runbook").type(DashboardLinkType.LINK).url(RUNBOOK_URL).target_blank(True)])
         .with_variable(dash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
-        .with_variable(query_variable("deployment", "Deployment", "label_values(stepbudget_target_up, deployment)"))
+        .with_variable(query_variable("cluster", "Cluster", "label_values(stepbudget_target_up, cluster)"))
         .with_variable(query_variable(
-            "model", "Model", 'label_values(stepbudget_target_up{deployment=~"$deployment"}, model_name)'))
+            "deployment", "Deployment", 'label_values(stepbudget_target_up{cluster=~"$cluster"}, deployment)'))
+        .with_variable(query_variable(
+            "model", "Model",
+            'label_values(stepbudget_target_up{cluster=~"$cluster", deployment=~"$deployment"}, model_name)'))
     )
 
 
@@ -237,7 +243,8 @@ def status_row(first_panel_id: int) -> tuple[str, list[Panel]]:
         stat(first_panel_id + 3, "Fastest speed budget burn (1h)", "none",
              "The fastest pool's speed error budget burn over the last hour: 14.4 pages (with the 5m window), "
              "1 spends the month's budget in the month.",
-             Query(f"max({SPEED_ERRORS}1h{{{sel}}} / on (deployment) group_left () {ALLOWED_ERRORS})", "burn"),
+             Query(f"max({SPEED_ERRORS}1h{{{sel}}} / on (cluster, deployment) group_left () {ALLOWED_ERRORS})",
+                   "burn"),
              limit=14.4),
     ])
 
@@ -457,7 +464,7 @@ def pools() -> dash.Dashboard:
                 "per-user target over the window, per the share the objective allows (speed_objective). 1 spends "
                 "the 30-day budget in 30 days. StepBudgetSpeedBudgetBurn pages at 14.4 over 1h (and 5m) or 6 "
                 "over 6h (and 30m); StepBudgetSpeedBudgetSlowBurn tickets at 3 over 1d or 1 over 3d.",
-                [Query(f"{SPEED_ERRORS}{window}{{{sel}}} / on (deployment) group_left () {ALLOWED_ERRORS}",
+                [Query(f"{SPEED_ERRORS}{window}{{{sel}}} / on (cluster, deployment) group_left () {ALLOWED_ERRORS}",
                        f"{{{{deployment}}}} {window}") for window in ("1h", "6h", "1d", "3d")],
                 limit=1, min_value=0),
             timeseries(

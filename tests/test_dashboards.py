@@ -93,7 +93,7 @@ def test_overview_has_the_required_panels_and_variables() -> None:
     titles = {panel["title"] for panel in _panels(overview)}
     assert OVERVIEW_PANELS <= titles, OVERVIEW_PANELS - titles
     names = [v["name"] for v in overview["templating"]["list"]]
-    assert names == ["datasource", "deployment", "model", "target"]
+    assert names == ["datasource", "cluster", "deployment", "model", "target"]
 
 
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.name)
@@ -124,7 +124,8 @@ def test_overview_queries_follow_the_variables() -> None:
         if panel["title"] in STATUS_PANELS:
             continue
         for target in panel["targets"]:
-            for matcher in ('deployment=~"$deployment"', 'model_name=~"$model"', 'target=~"$target"'):
+            for matcher in ('cluster=~"$cluster"', 'deployment=~"$deployment"', 'model_name=~"$model"',
+                            'target=~"$target"'):
                 assert matcher in target["expr"], (panel["title"], target["expr"])
 
 

@@ -257,7 +257,9 @@ THRESHOLD_MUTATIONS = [
     # A pool that scales to zero on purpose is silent; one that does not say so is not.
     ("StepBudgetNoTargets", "scales_to_zero) == 1", "scales_to_zero) == 2"),
     # A pod exactly at its allowance is not over it.
-    ("StepBudgetTargetNotReady", "> on (deployment)", ">= on (deployment)"),
+    ("StepBudgetTargetNotReady", "> on (cluster, deployment)", ">= on (cluster, deployment)"),
+    # A cluster gone from a global ruler is remembered for a day, not a minute.
+    ("StepBudgetExporterAbsent", "[1d]", "[1m]"),
 ]
 
 

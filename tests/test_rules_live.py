@@ -141,7 +141,7 @@ def _dashboard_queries() -> list[str]:
         for panel in json.loads(path.read_text())["panels"]:
             for target in panel.get("targets", []):
                 expr = grafana_to_promql(target["expr"])
-                for variable in ("$deployment", "$model", "$target"):
+                for variable in ("$cluster", "$deployment", "$model", "$target"):
                     expr = expr.replace(variable, ".*")
                 queries.append(expr)
     return queries

@@ -456,9 +456,10 @@ def grafana_regex(values: Sequence[str]) -> str:
 _LABEL_VALUES = re.compile(r"^\s*label_values\((?P<match>.*),\s*(?P<label>\w+)\s*\)\s*$")
 
 
-def resolve_variables(dashboard: Mapping[str, Any], prometheus: PrometheusApi) -> dict[str, list[str]]:
-    """Each query variable's values, asked of Prometheus in order (later ones use earlier ones)."""
-    values: dict[str, list[str]] = {}
+def resolve_variables(dashboard: Mapping[str, Any], prometheus: PrometheusApi) -> dict[str, list[str] | str]:
+    """Each query variable's values, asked of Prometheus in order (later ones use earlier ones). A variable
+    whose label no series carries (`cluster` on a single Prometheus) is Grafana's All: its allValue, as is."""
+    values: dict[str, list[str] | str] = {}
     for variable in dashboard.get("templating", {}).get("list", []):
         if variable.get("type") != "query":
             continue
@@ -466,17 +467,21 @@ def resolve_variables(dashboard: Mapping[str, Any], prometheus: PrometheusApi) -
         parsed = _LABEL_VALUES.match(substitute(query, values, {}))
         if parsed is None:
             raise AssertionError(f"variable {variable['name']}: not a label_values() query: {query!r}")
-        values[variable["name"]] = prometheus.label_values(parsed["label"], parsed["match"])
+        found = prometheus.label_values(parsed["label"], parsed["match"])
+        all_value = variable.get("allValue") if variable.get("includeAll") else None
+        values[variable["name"]] = found if found or all_value is None else str(all_value)
     return values
 
 
-def substitute(expr: str, variables: Mapping[str, Sequence[str]], intervals: Mapping[str, str]) -> str:
-    """Grafana's substitution: interval macros first, then `$name` / `${name}` variables."""
+def substitute(expr: str, variables: Mapping[str, Sequence[str] | str], intervals: Mapping[str, str]) -> str:
+    """Grafana's substitution: interval macros first, then `$name` / `${name}` variables (a value list
+    regex-escaped, an All value as it is)."""
     for macro, value in sorted(intervals.items(), key=lambda item: -len(item[0])):
         expr = expr.replace(macro, value)
     for name, chosen in sorted(variables.items(), key=lambda item: -len(item[0])):
         if chosen:
-            expr = expr.replace("${" + name + "}", grafana_regex(chosen)).replace("$" + name, grafana_regex(chosen))
+            text = chosen if isinstance(chosen, str) else grafana_regex(chosen)
+            expr = expr.replace("${" + name + "}", text).replace("$" + name, text)
     return expr
 
 
