@@ -37,6 +37,10 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
+# The runbook the rules link to; the chart rewrites it with prometheusRule.runbookBaseUrl, in the rules and
+# these dashboards alike.
+from exporter.serve.alert_rules import PACKAGED_RUNBOOK_BASE
+
 OUTPUT_DIR = Path(__file__).resolve().parent
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAGS = ["stepbudget"]
@@ -59,9 +63,6 @@ class Query:
     legend: str
 
 
-# Where each alert's runbook section lives; the chart rewrites it with prometheusRule.runbookBaseUrl, in the
-# rules and these dashboards alike.
-RUNBOOK_URL = "https://github.com/stepbudget/stepbudget/blob/main/docs/runbook.md"
 FIRING = 'ALERTS{alertname=~"StepBudget.+", alertstate="firing", cluster=~"$cluster"}'
 # How a legend names a model server: its pod where discovery knows one (Kubernetes), then its address; a label
 # a series lacks renders empty in Grafana's legend.
@@ -207,7 +208,7 @@ def _base(uid: str, title: str, description: str) -> dash.Dashboard:
         # Every stepbudget dashboard one click away, the variables and time range kept; the runbook beside them.
         .links([dash.DashboardLink("stepbudget").type(DashboardLinkType.DASHBOARDS).tags(TAGS).as_dropdown(False)
                 .include_vars(True).keep_time(True),
-                dash.DashboardLink("Runbook").type(DashboardLinkType.LINK).url(RUNBOOK_URL).target_blank(True)])
+                dash.DashboardLink("Runbook").type(DashboardLinkType.LINK).url(PACKAGED_RUNBOOK_BASE).target_blank(True)])
         .with_variable(dash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(query_variable("cluster", "Cluster", "label_values(stepbudget_target_up, cluster)"))
         .with_variable(query_variable(

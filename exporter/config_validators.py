@@ -278,7 +278,6 @@ def url(value: Any, where: Where) -> str:
     return text.rstrip("/") if text.count("/") > 2 and text.endswith("/") else text
 
 
-
 LABEL_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
 _LABEL_NAME = re.compile(LABEL_NAME_PATTERN)
 
@@ -301,6 +300,7 @@ def label_set(value: Any, where: Where) -> dict[str, str]:
             raise at.error(f"expected a non-empty string, got {label_value!r}")
         labels[name] = str(label_value).strip()
     return labels
+
 
 # One PromQL label matcher: `name="value"`, `name!="value"`, `name=~"re"` or `name!~"re"`.
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\\n]|\\.)*"\s*'
