@@ -21,6 +21,7 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders.prometheus import Dataquery as PromQuery
 from grafana_foundation_sdk.builders.stat import Panel as Stat
 from grafana_foundation_sdk.builders.statetimeline import Panel as StateTimeline
+from grafana_foundation_sdk.builders.table import Panel as Table
 from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
@@ -28,6 +29,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DashboardLinkType,
     DataSourceRef,
+    DataTransformerConfig,
     DynamicConfigValue,
     Threshold,
     ThresholdsMode,
@@ -36,6 +38,7 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableRefresh,
     VariableSort,
 )
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 # The runbook the rules link to; the chart rewrites it with prometheusRule.runbookBaseUrl, in the rules and
 # these dashboards alike.
@@ -48,11 +51,13 @@ TAGS = ["stepbudget"]
 # `cluster` keeps apart pools of one name in several clusters on a global Prometheus (Thanos, Mimir); where
 # series carry no `cluster` label, All (.*) matches them.
 POOL_SELECTOR = 'cluster=~"$cluster", deployment=~"$deployment", model_name=~"$model"'
-TARGET_SELECTOR = POOL_SELECTOR + ', target=~"$target"'
+# `namespace`: the model servers' Kubernetes namespace (a series of a static or DNS target has none; All, .*,
+# matches it).
+TARGET_SELECTOR = POOL_SELECTOR + ', namespace=~"$namespace", target=~"$target"'
 TOKENS_PER_SECOND = "suffix: tok/s"  # Grafana custom unit: no built-in tokens/s
 PANEL_HEIGHT = 8
 HALF, THIRD, QUARTER = 12, 8, 6
-Panel = Timeseries | Stat | StateTimeline
+Panel = Timeseries | Stat | StateTimeline | Table
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,55 @@ def status_row(first_panel_id: int) -> tuple[str, list[Panel]]:
     ])
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of the per-pool table: an instant query per pool, its header and unit."""
+
+    header: str
+    expr: str
+    unit: str
+
+
+def pool_columns(sel: str) -> list[Column]:
+    """The per-pool table's columns, worst first: what on-call compares across pools at a glance."""
+    rule = "deployment_model_name:stepbudget_"
+    return [
+        Column("Token budget used", f"{rule}token_budget_utilization:ratio{{{sel}}}", "percentunit"),
+        Column("Tokens in flight", f"{rule}tokens_in_flight:sum{{{sel}}}", "short"),
+        Column("Token budget", f"{rule}token_budget_tokens:sum{{{sel}}}", "short"),
+        Column("Worst predicted step", f"{rule}predicted_step_seconds:max{{{sel}}}", "s"),
+        Column("Worst measured step", f"{rule}measured_step_seconds:max{{{sel}}}", "s"),
+        Column("Step budget", f"{rule}step_budget_seconds:min{{{sel}}}", "s"),
+        Column("Replicas over budget", f"{rule}targets_over_budget:sum{{{sel}}}", "none"),
+        Column("Replicas up", f"{rule}targets_up:sum{{{sel}}}", "none"),
+        Column("Speed budget burn (1h)",
+               f"{SPEED_ERRORS}1h{{{sel}}} / on (cluster, deployment) group_left () {ALLOWED_ERRORS}", "none"),
+    ]
+
+
+def pool_table(panel_id: int) -> Table:
+    """Every pool in one row each (instant queries joined on their labels), sorted by token budget used."""
+    columns = pool_columns(POOL_SELECTOR)
+    queries = [PromQuery().expr(column.expr).instant().format(PromQueryFormat.TABLE).ref_id(chr(ord("A") + i))
+               .datasource(DATASOURCE) for i, column in enumerate(columns)]
+    renames = {f"Value #{chr(ord('A') + i)}": column.header for i, column in enumerate(columns)}
+    table = (Table().id(panel_id).title("Pools now").unit("short").datasource(DATASOURCE).height(PANEL_HEIGHT).span(24)
+             .description("One row per pool (deployment and model, all replicas), the busiest first: token budget "
+                          "used over 100% means its streams are slower than target; replicas over budget say "
+                          "whether one replica or the pool; the 1h burn pages at 14.4.")
+             .targets(queries)
+             .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+             .with_transformation(DataTransformerConfig(id_val="organize", options={
+                 "excludeByName": {"Time": True}, "renameByName": renames}))
+             .sort_by([common_builders.TableSortByFieldState().display_name(columns[0].header).desc(True)]))
+    for column in columns:
+        table = table.override_by_name(column.header, [DynamicConfigValue(id_val="unit", value=column.unit)])
+    return table.override_by_name(columns[0].header, [
+        DynamicConfigValue(id_val="thresholds", value={"mode": "absolute", "steps": [
+            {"color": "green", "value": None}, {"color": "red", "value": 1}]}),
+        DynamicConfigValue(id_val="custom.cellOptions", value={"type": "color-background"})])
+
+
 def overview() -> dash.Dashboard:
     """Per target: is every stream inside its speed budget, and if not, why."""
     board = _base(
@@ -258,8 +312,10 @@ def overview() -> dash.Dashboard:
         "Per model server: predicted and measured step time against the speed budget, tokens in "
         "flight against the token budget and KV capacity, and the signals behind each alert.",
     ).with_variable(query_variable(
+        "namespace", "Namespace",
+        f"label_values(stepbudget_target_up{{{POOL_SELECTOR}}}, namespace)")).with_variable(query_variable(
         "target", "Target",
-        f"label_values(stepbudget_target_up{{{POOL_SELECTOR}}}, target)"))
+        f'label_values(stepbudget_target_up{{{POOL_SELECTOR}, namespace=~"$namespace"}}, target)'))
     rows = [
         status_row(50),
         ("Step time against the budget", [
@@ -404,6 +460,7 @@ def pools() -> dash.Dashboard:
     )
     rows = [
         status_row(50),
+        ("Pools", [pool_table(7)]),
         ("Pool capacity", [
             timeseries(
                 1, "Pool tokens in flight vs token budget and KV capacity", "short",
@@ -451,12 +508,6 @@ def pools() -> dash.Dashboard:
                 "Requests preempted per second over the pool (5m rate).",
                 [Query(f"deployment_model_name:stepbudget_preemptions:rate5m{{{sel}}}", "{{deployment}}")],
                 min_value=0),
-
-                Stat().id(7).title("Pool token budget utilization now").unit("percentunit").datasource(DATASOURCE)
-                .description("Latest pool utilization per deployment and model; red at 100%.")
-                .targets(_targets([Query(f"deployment_model_name:stepbudget_token_budget_utilization:ratio{{{sel}}}",
-                                         "{{deployment}} / {{model_name}}")]))
-                .thresholds(_thresholds(1)).height(PANEL_HEIGHT).span(24),
         ]),
         ("Speed objective", [
             timeseries(

@@ -14,10 +14,11 @@ construct in the file fails the daemon's start (and the tests) instead of render
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,16 @@ PACKAGED_RUNBOOK_BASE = "https://github.com/stepbudget/stepbudget/blob/main/docs
 _RULE_KEYS = frozenset({"alert", "expr", "for", "labels", "annotations"})
 
 Part = Callable[[Mapping[str, str], float], str]
+# The alerts whose threshold a site may set (alerting.rules.<alert>.threshold), with the packaged one: the
+# rule's expression compares with it once (`> 0.15`) and its description says it once, as a percentage
+# (`(over 15%)`). The chart's PrometheusRule template rewrites both the same way
+# (tests/serve/test_alert_settings.py).
+TUNABLE_THRESHOLDS: dict[str, float] = {
+    "StepBudgetPredictionDrift": 0.15,
+    "StepBudgetPrefillOverCapacity": 0.9,
+    "StepBudgetKVCacheNearlyFull": 0.95,
+}
+SEVERITIES = ("critical", "warning", "info")
 
 
 # --- Prometheus's number formatting --------------------------------------------------------------
@@ -178,25 +189,136 @@ class AlertRule:
         return self.labels["severity"]
 
 
+# --- a site's settings --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    """One alert as a site sets it (config `alerting.rules.<alert>`); None keeps the packaged rule's.
+    The chart renders the rules Prometheus evaluates from the same keys, so both raise one alert."""
+
+    enabled: bool = True
+    for_text: str | None = None  # a Prometheus duration, as the rule writes it
+    severity: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    threshold: float | None = None
+
+
+def go_float_text(value: float) -> str:
+    """A number as Go's `printf "%g"` writes it (the shortest text that reads back the same), which is
+    what the chart's template writes into the expression: the same text on both sides. Both switch to an
+    exponent outside 1e-4 to 1e21 at different points; thresholds are validated well inside it."""
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def percent_text(ratio: float) -> str:
+    """A ratio as a description's percentage, 4 significant digits (Go's `printf "%.4g"` of ratio x 100)."""
+    return f"{ratio * 100.0:.4g}"
+
+
+def tune_rules_document(document: Mapping[str, Any], settings: Mapping[str, AlertSettings],
+                        origin: str = f"exporter/{PACKAGED_RULES}") -> dict[str, Any]:
+    """The rules document with each alert as `settings` set it: dropped where disabled; its `for` (and
+    the description's `for 5m`), severity, extra labels and threshold (the expression's `> 0.15` and the
+    description's `(over 15%)`) replaced. Raises InputError for an alert the document does not have, or
+    a threshold on one whose rule does not compare with the packaged threshold once."""
+    tuned = copy.deepcopy(dict(document))
+    seen = set()
+    for group in tuned["groups"]:
+        kept = []
+        for rule in group["rules"]:
+            name = rule.get("alert")
+            if name not in settings:
+                kept.append(rule)
+                continue
+            seen.add(name)
+            if settings[name].enabled:
+                kept.append(_tuned_rule(rule, settings[name], f"{origin}: alert {name}"))
+        group["rules"] = kept
+    missing = sorted(set(settings) - seen)
+    if missing:
+        raise InputError(f"{origin}: no alert {', '.join(missing)}")
+    return tuned
+
+
+def _tuned_rule(rule: dict[str, Any], settings: AlertSettings, where: str) -> dict[str, Any]:
+    annotations = rule.setdefault("annotations", {})
+    if settings.for_text is not None:
+        old = f"for {rule.get('for', '0s')}"
+        rule["for"] = settings.for_text
+        for key, text in annotations.items():
+            annotations[key] = str(text).replace(old, f"for {settings.for_text}")
+    labels = rule.setdefault("labels", {})
+    labels.update(settings.labels)
+    if settings.severity is not None:
+        labels["severity"] = settings.severity
+    if settings.threshold is not None:
+        default = TUNABLE_THRESHOLDS.get(rule["alert"], math.nan)
+        compared = f"> {go_float_text(default)}"
+        if math.isnan(default) or str(rule["expr"]).count(compared) != 1:
+            raise InputError(f"{where}: its threshold cannot be set (its expression does not compare with "
+                             f"the packaged threshold once)")
+        rule["expr"] = str(rule["expr"]).replace(compared, f"> {go_float_text(settings.threshold)}")
+        for key, text in annotations.items():
+            annotations[key] = str(text).replace(f"(over {percent_text(default)}%)",
+                                                 f"(over {percent_text(settings.threshold)}%)")
+    return rule
+
+
+def packaged_rules_text() -> str:
+    return resources.files("exporter").joinpath(PACKAGED_RULES).read_text(encoding="utf-8")
+
+
+def tuned_rules_text(settings: Mapping[str, AlertSettings], runbook_base_url: str | None = None) -> str:
+    """The packaged alerts file as a site's settings make it (`stepbudget rules`): what its Prometheus
+    must evaluate for its alerts to be the daemon's."""
+    text = packaged_rules_text()
+    if runbook_base_url:
+        text = text.replace(PACKAGED_RUNBOOK_BASE, runbook_base_url)
+    document = tune_rules_document(yaml.safe_load(text), settings)
+    return yaml.dump(document, Dumper=_BlockDumper, sort_keys=False, width=1000, allow_unicode=True)
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the expressions) as `|` blocks, as the packaged file writes them."""
+
+
+def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+_BlockDumper.add_representer(str, _represent_text)
+
+
+def packaged_alert_names() -> tuple[str, ...]:
+    """Every alert of the packaged rules file, in file order."""
+    return tuple(rule["alert"] for group in yaml.safe_load(packaged_rules_text())["groups"]
+                 for rule in group["rules"] if "alert" in rule)
+
+
 def packaged_for_seconds(alert: str) -> float:
     """One alert's `for` in the packaged rules file (what config validation holds other durations to)."""
-    text = resources.files("exporter").joinpath(PACKAGED_RULES).read_text(encoding="utf-8")
-    for group in yaml.safe_load(text)["groups"]:
+    for group in yaml.safe_load(packaged_rules_text())["groups"]:
         for rule in group["rules"]:
             if rule.get("alert") == alert:
                 return parse_overhead_seconds(str(rule.get("for", "0s")), f"exporter/{PACKAGED_RULES}: {alert}: for")
     raise InputError(f"exporter/{PACKAGED_RULES}: no alert {alert}")
 
 
-def load_alert_rules(path: Path | None = None, *, skip: Collection[str] = ()) -> tuple[AlertRule, ...]:
+def load_alert_rules(path: Path | None = None, *, skip: Collection[str] = (),
+                     settings: Mapping[str, AlertSettings] | None = None) -> tuple[AlertRule, ...]:
     """Every alert of the rules file (the packaged one when `path` is None) but those in `skip`
-    (alerts only Prometheus can raise), in file order; raise InputError naming any part it cannot honour."""
+    (alerts only Prometheus can raise), in file order, as `settings` set them (`tune_rules_document`);
+    raise InputError naming any part it cannot honour."""
     if path is None:
-        origin = f"exporter/{PACKAGED_RULES}"
-        text = resources.files("exporter").joinpath(PACKAGED_RULES).read_text(encoding="utf-8")
+        origin, text = f"exporter/{PACKAGED_RULES}", packaged_rules_text()
     else:
         origin, text = str(path), path.read_text(encoding="utf-8")
-    rules = [rule for group in yaml.safe_load(text)["groups"] for rule in group["rules"] if "alert" in rule]
+    document = yaml.safe_load(text)
+    if settings:
+        document = tune_rules_document(document, settings, origin)
+    rules = [rule for group in document["groups"] for rule in group["rules"] if "alert" in rule]
     return tuple(_alert_rule(rule, origin) for rule in rules if rule["alert"] not in skip)
 
 

@@ -46,8 +46,14 @@ import structlog
 from exporter.errors import InputError
 from exporter.logs import say_tls_verification_is_off
 from exporter.redaction import redact
-from exporter.serve.alert_rules import PACKAGED_RUNBOOK_BASE, AlertRule, load_alert_rules
-from exporter.serve.config import DRIFT_ALERT, Alerting, Auth, Tls
+from exporter.serve.alert_rules import (
+    PACKAGED_RUNBOOK_BASE,
+    TUNABLE_THRESHOLDS,
+    AlertRule,
+    AlertSettings,
+    load_alert_rules,
+)
+from exporter.serve.config import DRIFT_ALERT, PAGE_ALERT, Alerting, Auth, Tls
 from exporter.serve.discovery import NotReadyPod
 from exporter.serve.reading import Reading
 
@@ -59,19 +65,23 @@ log = structlog.get_logger("stepbudget.alerting")
 RESEND_SECONDS = 60.0
 RESOLVED_RETENTION_SECONDS = 15 * 60.0
 PREEMPTION_WINDOW_SECONDS = 5 * 60.0
-DRIFT_THRESHOLD_RATIO = 0.15
-KV_CACHE_NEARLY_FULL_RATIO = 0.95
+# The packaged thresholds a site may set (alerting.rules.<alert>.threshold), one table for the rules and the loop.
+DRIFT_THRESHOLD_RATIO = TUNABLE_THRESHOLDS[DRIFT_ALERT]
+KV_CACHE_NEARLY_FULL_RATIO = TUNABLE_THRESHOLDS["StepBudgetKVCacheNearlyFull"]
 # Prefill interference needs prefill: a window whose steps computed no prompt token (a decode-only pod of a
 # P/D split, whose prompts arrive by KV transfer) cannot be slowed by prompt chunks, whatever else is slow.
 PREFILL_INTERFERENCE_MIN_PREFILL_TOKENS_PER_STEP = 0.0
 # A prefill server computing prompts above this share of its compute's rate queues them: TTFT grows.
-PREFILL_OVER_CAPACITY_RATIO = 0.9
-PAGE_ALERT = "StepBudgetPredictedStepOverBudget"
+PREFILL_OVER_CAPACITY_RATIO = TUNABLE_THRESHOLDS["StepBudgetPrefillOverCapacity"]
 # How long the page holds for a series with no reading of its predicted step (gone from discovery):
 # the `[30m]` of the page rule's last_over_time. Long enough to cover an overloaded pod that fails
 # readiness until its load drains; short enough that a pod replaced or scaled down while over budget
 # stops paging within the half hour.
 PAGE_HOLD_SECONDS = 30 * 60.0
+# A window in which nothing decoded has no measured step and no prediction error: the measured-step and
+# drift alerts read the last within this long (the rules' last_over_time(...[2m])), so the lulls of a bursty
+# load do not restart their `for`; this long with nothing decoded ends them.
+IDLE_BRIDGE_SECONDS = 2 * 60.0
 
 Condition = Callable[[Reading, "History"], "float | None"]
 SeriesKey = tuple[tuple[str, str], ...]  # a series' labels, sorted: one alert per (alertname, series)
@@ -88,18 +98,44 @@ class LastOverBudget:
         return now - self.read_at_seconds <= PAGE_HOLD_SECONDS
 
 
+@dataclass(frozen=True)
+class Sample:
+    value: float
+    at_seconds: float
+
+
+def _latest(last: Sample | None, value: float | None, now: float) -> Sample | None:
+    return Sample(value, now) if value is not None else last
+
+
 @dataclass
 class History:
     """What a rule needs beyond one reading: the recent preemption counter values (for increase()),
-    and whether the last reading of the predicted step was over budget (the page's memory)."""
+    whether the last reading of the predicted step was over budget (the page's memory), and the last
+    measured step and prediction error (bridging idle windows, IDLE_BRIDGE_SECONDS)."""
 
     preemptions: deque[tuple[float, float]] = field(default_factory=deque)
     over_budget: LastOverBudget | None = None
+    measured: Sample | None = None
+    error: Sample | None = None
+    now: float = 0.0
+
+    def measured_step_seconds(self) -> float | None:
+        return self._bridged(self.measured)
+
+    def prediction_error_ratio(self) -> float | None:
+        return self._bridged(self.error)
+
+    def _bridged(self, sample: Sample | None) -> float | None:
+        return sample.value if sample is not None and self.now - sample.at_seconds <= IDLE_BRIDGE_SECONDS else None
 
     def remember(self, reading: Reading, now: float) -> None:
         """Update the page's memory as the page rule does: a sleeping engine releases it at once (it
         serves nothing, so it slows nobody); a reading with both figures decides; one without keeps the
         memory while the target is down, or within the hold; else it is released."""
+        self.now = now
+        self.measured = _latest(self.measured, reading.measured_step_seconds, now)
+        self.error = _latest(self.error, reading.prediction_error_ratio, now)
         predicted, budget = reading.predicted_step_seconds, reading.step_budget_seconds
         if reading.engine_sleeping == 1.0:
             self.over_budget = None
@@ -130,18 +166,19 @@ def _page_held(reading: Reading, history: History) -> float | None:
 
 
 def _measured_over(reading: Reading, history: History) -> float | None:
-    """Measured over budget. A series without a step budget (a prefill-only server has no decode step)
-    compares to nothing, as an absent series in PromQL: neither this nor the page can fire for it."""
-    return _over(reading.measured_step_seconds, reading.step_budget_seconds)
+    """Measured over budget, an idle window bridged (IDLE_BRIDGE_SECONDS). A series without a step budget (a
+    prefill-only server has no decode step) compares to nothing, as an absent series in PromQL: neither this
+    nor the page can fire for it."""
+    return _over(history.measured_step_seconds(), reading.step_budget_seconds)
 
 
-def _drift(reading: Reading, history: History) -> float | None:
-    error = reading.prediction_error_ratio
-    return _over(abs(error), DRIFT_THRESHOLD_RATIO) if error is not None else None
+def _drift(reading: Reading, history: History, threshold: float = DRIFT_THRESHOLD_RATIO) -> float | None:
+    error = history.prediction_error_ratio()
+    return _over(abs(error), threshold) if error is not None else None
 
 
 def _prefill_interference(reading: Reading, history: History) -> float | None:
-    measured = _measured_over(reading, history)
+    measured = _over(reading.measured_step_seconds, reading.step_budget_seconds)
     memory, budget = reading.predicted_memory_step_seconds, reading.step_budget_seconds
     if measured is None or memory is None or budget is None or memory > budget:
         return None
@@ -150,14 +187,15 @@ def _prefill_interference(reading: Reading, history: History) -> float | None:
     return measured
 
 
-def _prefill_over_capacity(reading: Reading, history: History) -> float | None:
-    return _over(reading.prefill_utilization_ratio, PREFILL_OVER_CAPACITY_RATIO)
+def _prefill_over_capacity(reading: Reading, history: History,
+                           threshold: float = PREFILL_OVER_CAPACITY_RATIO) -> float | None:
+    return _over(reading.prefill_utilization_ratio, threshold)
 
 
-def _kv_nearly_full(reading: Reading, history: History) -> float | None:
+def _kv_nearly_full(reading: Reading, history: History, threshold: float = KV_CACHE_NEARLY_FULL_RATIO) -> float | None:
     """Full while it harms: requests wait for its capacity, or running ones were preempted in the window.
     Full alone is how vLLM runs under load (it admits until the cache is full)."""
-    usage = _over(reading.kv_cache_usage_ratio, KV_CACHE_NEARLY_FULL_RATIO)
+    usage = _over(reading.kv_cache_usage_ratio, threshold)
     if usage is None:
         return None
     harmed = _over(reading.requests_waiting_for_capacity, 0.0) is not None or _preempting(reading, history) is not None
@@ -212,17 +250,29 @@ def _not_ready_too_long(pod: NotReadyPod, now: float) -> float | None:
 POD_CONDITIONS: dict[str, PodCondition] = {"StepBudgetTargetNotReady": _not_ready_too_long}
 
 
-def load_rules(path: Path | None = None) -> tuple[AlertRule, ...]:
-    """The alerts the loop raises, read from the rules file (the packaged one when `path` is None):
-    a changed `for`, severity or annotation in the file changes the loop with no Python edit."""
-    rules = load_alert_rules(path, skip=PROMETHEUS_ONLY)
-    names = {rule.name for rule in rules}
+def load_rules(path: Path | None = None, settings: Mapping[str, AlertSettings] | None = None
+               ) -> tuple[AlertRule, ...]:
+    """The alerts the loop raises, read from the rules file (the packaged one when `path` is None) as a
+    site's `settings` (alerting.rules) set them: a changed `for`, severity or annotation in the file
+    changes the loop with no Python edit."""
+    rules = load_alert_rules(path, skip=PROMETHEUS_ONLY, settings=settings)
+    disabled = {name for name, alert in (settings or {}).items() if not alert.enabled}
+    names = {rule.name for rule in rules} | (disabled - PROMETHEUS_ONLY)
     known = set(CONDITIONS) | set(DEPLOYMENT_CONDITIONS) | set(POD_CONDITIONS)
     if names != known:
         raise InputError(f"{path or 'the packaged rules file'}: alerts without a condition in "
                          f"exporter/serve/alerting.py: {sorted(names - known) or 'none'}; "
                          f"conditions without an alert in the file: {sorted(known - names) or 'none'}")
     return rules
+
+
+def tuned_conditions(settings: Mapping[str, AlertSettings]) -> dict[str, Condition]:
+    """CONDITIONS with each tunable alert's threshold as `settings` set it (alert_rules.TUNABLE_THRESHOLDS)."""
+    tuned = dict(CONDITIONS)
+    for name, alert in settings.items():
+        if alert.threshold is not None and name in CONDITIONS:
+            tuned[name] = functools.partial(CONDITIONS[name], threshold=alert.threshold)  # type: ignore[call-arg]  # the tunable conditions take threshold=; Condition's type has two arguments
+    return tuned
 
 
 @functools.cache
@@ -322,9 +372,11 @@ class AlertLoop:
         self._clock = clock
         self._post = post or AlertmanagerPoster(config.auth, config.tls)
         self._valid_for_seconds = 4 * max(poll_interval_seconds, RESEND_SECONDS)
-        self.rules = _with_page_for(packaged_rules() if rules is None else rules, config.for_seconds,
-                                    config.drift_for_seconds)
-        self._page = next(rule for rule in self.rules if rule.name == PAGE_ALERT)
+        if rules is None:
+            rules = load_rules(settings=config.rules) if config.rules else packaged_rules()
+        self.rules = _with_page_for(rules, config.for_seconds, config.drift_for_seconds)
+        self._conditions = tuned_conditions(config.rules)
+        self._page = next((rule for rule in self.rules if rule.name == PAGE_ALERT), None)  # None: disabled
         self._reading_rules = tuple(rule for rule in self.rules if rule.name in CONDITIONS)
         # A sharded daemon's counts are its share's (build_daemon): only Prometheus sums them.
         self._deployment_rules = tuple(rule for rule in self.rules
@@ -355,7 +407,7 @@ class AlertLoop:
             for reading, labels, series in labelled:
                 history = self._history[series]
                 for rule in self._reading_rules:
-                    value = CONDITIONS[rule.name](reading, history)
+                    value = self._conditions[rule.name](reading, history)
                     if value is not None:
                         active.add(self._hold(rule, labels, series, value, now))
             for name, count in deployment_targets:
@@ -371,7 +423,8 @@ class AlertLoop:
                         labels = pod.labels
                         active.add(self._hold(rule, labels, tuple(sorted(labels.items())), value, now))
             for series, value in held:  # gone from the readings, over budget at their last one
-                active.add(self._hold(self._page, dict(series), series, value, now))
+                if self._page is not None:
+                    active.add(self._hold(self._page, dict(series), series, value, now))
             for key, alert in list(self._alerts.items()):
                 if key in active or alert.resolved_at is not None:
                     continue
