@@ -97,6 +97,9 @@ metadata:
     {{- end }}
   annotations:
     checksum/config: {{ include "stepbudget.config" . | sha256sum }}
+    {{- with .Values.models }}
+    checksum/models: {{ toJson . | sha256sum }}
+    {{- end }}
     {{- with .Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -166,6 +169,17 @@ spec:
     - name: config
       configMap:
         name: {{ include "stepbudget.fullname" . }}
+        {{- with .Values.models }}
+        # The models' config.json files under /etc/stepbudget/models, where the daemon looks for a
+        # model named by its Hugging Face id (a ConfigMap key cannot hold the id's `/`).
+        items:
+          - key: config.yaml
+            path: config.yaml
+          {{- range $id, $config := . }}
+          - key: {{ include "stepbudget.modelConfigKey" $id }}
+            path: models/{{ include "stepbudget.modelConfigKey" $id }}
+          {{- end }}
+        {{- end }}
     # The root filesystem is read-only; Python and libraries may still want a scratch /tmp.
     - name: tmp
       emptyDir:
@@ -250,4 +264,13 @@ under defaults or a deployment). */}}
 {{- $ports = append $ports (include "stepbudget.urlPort" .) }}
 {{- end }}
 {{- $ports | uniq | sortAlpha | join "\n" }}
+{{- end }}
+
+{{/* The file (and ConfigMap key) a model's config.json is kept under: `Qwen/Qwen3-8B` -> `Qwen--Qwen3-8B.json`,
+as exporter/capacity/model_files.py looks for it. */}}
+{{- define "stepbudget.modelConfigKey" -}}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$" .) -}}
+{{- fail (printf "models: %q is not a Hugging Face id (owner/name), the form `model:` takes it in the config" .) -}}
+{{- end -}}
+{{- replace "/" "--" . }}.json
 {{- end }}
