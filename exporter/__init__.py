@@ -1,3 +1,3 @@
 """stepbudget: capacity planning and monitoring of LLM model servers in tokens in flight."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

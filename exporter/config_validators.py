@@ -5,7 +5,7 @@ Why a module of its own (and public): the config's optional sections (`shard` in
 validators the core keys use. Those features must not import the config loader (the loader
 lists their sections, so that would be a cycle), nor reach into its private helpers. This module
 depends on nothing of the daemon, so every table can be written against it, and
-`exporter/serve/config.py` assembles them all in one place (`config.top_level_keys`).
+`exporter/serve/config_keys.py` assembles them all in one place (`config_keys.top_level_keys`).
 
 A validator is a function `(value, where) -> parsed value` that raises `Invalid` with the problem
 only; `parse_at` (and `section`, `list_of` for nested values) turns that into a `ConfigError`
@@ -19,7 +19,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from exporter.errors import InputError
@@ -34,7 +34,7 @@ from exporter.units import (
 )
 
 if TYPE_CHECKING:
-    from exporter.serve.config import Config
+    from exporter.serve.config_model import Config
 
 
 class ConfigError(InputError):
@@ -63,13 +63,39 @@ class LineList(list[Any]):
         self.item_lines: list[int] = list(item_lines or [])
 
 
+@dataclass
+class OfflineReads:
+    """The files an offline validation (`check-config --offline`) did not read, by key path.
+
+    Why a record rather than silence: a config checked on a laptop or in CI, away from the pod's
+    mounted Secrets and ConfigMaps, passes only on what was checked; the SRE is told which files
+    the daemon will still need to find at start."""
+
+    skipped: dict[str, str] = field(default_factory=dict)  # key path -> the file it names
+
+    def lines(self) -> list[str]:
+        return [f"not read (offline): {path} {file}" for path, file in self.skipped.items()]
+
+
 @dataclass(frozen=True)
 class Where:
-    """Where a value sits: its path like `deployments[1].targets`, its line and its file (may be empty)."""
+    """Where a value sits: its path like `deployments[1].targets`, its line and its file (may be empty).
+
+    `offline` (set for `check-config --offline`) travels to every child, so a validator that would
+    open a file asks `skips_read` instead of reaching for global state."""
 
     path: str
     line: int
     source: str = ""
+    offline: OfflineReads | None = field(default=None, compare=False)
+
+    def skips_read(self, file: str, unchecked: str = "") -> bool:
+        """Offline: note that the file this key names was not read (and what that leaves `unchecked`),
+        and say so (True); else False."""
+        if self.offline is None:
+            return False
+        self.offline.skipped.setdefault(self.path, f"{file} ({unchecked})" if unchecked else file)
+        return True
 
     def child(self, name: str | int, line: int | None) -> Where:
         if isinstance(name, int):
@@ -158,6 +184,22 @@ def _with_unit(parse: Callable[[Any, str], float], value: Any) -> float:
 def duration(value: Any, where: Where) -> float:
     """Seconds, or a duration such as `1m30s`; greater than zero."""
     return _with_unit(parse_duration_seconds, value)
+
+
+PROMETHEUS_DURATION_PATTERN = r"^(?:[0-9]+(?:ms|s|m|h|d|w|y))+$"
+_PROMETHEUS_DURATION = re.compile(PROMETHEUS_DURATION_PATTERN)
+
+
+def prometheus_duration(value: Any, where: Where) -> str:
+    """A duration as a Prometheus rule's `for` takes it (`5m`, `1h30m`, `0s`; a whole number is seconds),
+    kept as text: the rules the chart renders and the daemon's loop then write the same."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return f"{value}s"
+    text = value.strip() if isinstance(value, str) else ""
+    if not _PROMETHEUS_DURATION.match(text):
+        raise Invalid(f"expected a Prometheus duration such as 5m, 1h30m or 90s (units ms, s, m, h, d, w, y, "
+                      f"whole numbers only), got {value!r}")
+    return text
 
 
 def size(value: Any, where: Where) -> float:
@@ -321,9 +363,10 @@ def promql_selector(value: Any, where: Where) -> str:
 
 
 def existing_file(value: Any, where: Where) -> str:
-    """A path to a file that exists now (so a typo fails at check-config, not at the first poll)."""
+    """A path to a file that exists now (so a typo fails at check-config, not at the first poll);
+    offline, only a non-empty path (the file is noted as not read)."""
     path = string(value, where)
-    if not os.path.isfile(path):
+    if not where.skips_read(path) and not os.path.isfile(path):
         raise Invalid(f"file {path!r} does not exist")
     return path
 

@@ -1,4 +1,4 @@
-"""The `admission` and `pools` config sections (listed by exporter.serve.config.daemon_sections) and
+"""The `admission` and `pools` config sections (listed by exporter.serve.config_keys.daemon_sections) and
 their checks."""
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from exporter.errors import InputError
 from exporter.suggest import close_names
 
 if TYPE_CHECKING:
-    from exporter.serve.config import Config
+    from exporter.serve.config_model import Config
 
 # --- config: the `admission` and `pools` sections (listed by config.top_level_keys) ---------------
 
 
 def check_admission_section(result: Mapping[str, Any], where: Where) -> None:
-    """Enabled needs a readable token: refuse at check-config rather than at the first request."""
+    """Enabled needs a readable token: refuse at check-config rather than at the first request (offline,
+    the file is noted as not read)."""
     if result["enabled"] and not result["token_file"]:
         raise InputError("enabled: true needs token_file (a file holding the bearer token gateways send)")
-    if result["enabled"]:
+    if result["enabled"] and not where.child("token_file", None).skips_read(result["token_file"]):
         read_token_file(result["token_file"])
 
 

@@ -23,9 +23,10 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from exporter.capacity import model
+from exporter.capacity import fit, model
 from exporter.capacity.deployment import ResolvedSetup, fit_bounds
-from exporter.capacity.model import Calibration, CalibrationPoint, ServingSetup
+from exporter.capacity.fit import Calibration, CalibrationPoint
+from exporter.capacity.model import ServingSetup
 from exporter.capacity.planner import add_setup_arguments, parse_positive_float, resolve_from_args
 from exporter.errors import InputError
 from exporter.units import parse_duration_seconds
@@ -204,7 +205,7 @@ def calibrate_live(
     name = model_name or discover_model_name(url, timeout_seconds)
     measurements = measure_contexts(url, name, [short_context_tokens, long_context_tokens], output_tokens,
                                     timeout_seconds, progress=progress)
-    return model.calibrate(points_from_measurements(setup, measurements))
+    return fit.calibrate(points_from_measurements(setup, measurements))
 
 
 # --- offline points --------------------------------------------------------------------------
@@ -277,9 +278,9 @@ def verdict_line(calibration: Calibration) -> str:
 
 
 def _agreement_text(calibration: Calibration) -> str:
-    if calibration.agreement_basis == model.AGREEMENT_ON_WINDOW_RESIDUALS:
+    if calibration.agreement_basis == fit.AGREEMENT_ON_WINDOW_RESIDUALS:
         return f"the fit misses 90% of its windows by at most {calibration.spread_ratio:.1%}"
-    if calibration.agreement_basis == model.AGREEMENT_ON_FIT_RESIDUALS:
+    if calibration.agreement_basis == fit.AGREEMENT_ON_FIT_RESIDUALS:
         return (f"the fitted terms miss the points by at most {calibration.spread_ratio:.1%} "
                 "(points at several batch sizes)")
     return f"the points' bandwidths spread {calibration.spread_ratio:.1%}"
@@ -424,7 +425,7 @@ def run(args: argparse.Namespace, *, history_calibration: HistoryCalibration | N
         points = points_from_measurements(resolved.setup, measurements)
     else:
         points = offline_points(resolved.setup, args.itl)
-    calibration = model.calibrate(points, bounds=fit_bounds(resolved))
+    calibration = fit.calibrate(points, bounds=fit_bounds(resolved))
     return report(args, resolved, calibration, measurements)
 
 

@@ -7,9 +7,13 @@ Families and their key names (as each family's transformers config class spells 
     moe_intermediate_size, shared_expert_intermediate_size; sliding windows: sliding_window,
     layer_types, sliding_window_pattern (Gemma 3), use_sliding_window/max_window_layers (Qwen).
     Multimodal wrappers (Gemma 3) nest the language model under `text_config`.
-  * DeepSeek-V2/V3 (MLA): kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim,
-    q_lora_rank, n_routed_experts, n_shared_experts, num_experts_per_tok, first_k_dense_replace,
-    moe_intermediate_size.
+    Mistral 3 (Mistral Small 3.1, model_type mistral3) nests a Mistral language model the same way.
+  * gpt-oss: the Llama keys plus num_local_experts, num_experts_per_tok, intermediate_size (each
+    expert's width), attention_bias, sliding_window and layer_types; biased experts and router and
+    one attention sink per head (transformers' GptOssAttention and GptOssExperts); MXFP4 experts.
+  * DeepSeek-V2/V3 (MLA), and Kimi K2 (model_type kimi_k2, DeepSeek-V3's layout): kv_lora_rank,
+    qk_rope_head_dim, qk_nope_head_dim, v_head_dim, q_lora_rank, n_routed_experts, n_shared_experts,
+    num_experts_per_tok, first_k_dense_replace, moe_intermediate_size.
   * MPT: n_layers, d_model, n_heads, expansion_ratio, attn_config.
   * OPT: num_hidden_layers, hidden_size, ffn_dim, word_embed_proj_dim, max_position_embeddings.
 State-space and linear-attention hybrids are refused: their per-token state does not grow like a
@@ -24,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.capacity.model import Architecture
+from exporter.capacity.architecture import Architecture
 from exporter.errors import InputError, UnsupportedModelError
 
 # model_type values whose layers are (partly) state-space or linear attention.
@@ -49,7 +53,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window": 4096},
     "gemma2": {"tie_word_embeddings": True},
     "gemma": {"tie_word_embeddings": True},
+    # transformers' GptOssConfig.
+    "gpt_oss": {"sliding_window": 128, "attention_bias": True},
 }
+# model_types read as DeepSeek-V3 (Kimi K2's config.json names its own type for the same layout).
+_DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
 
 
 @dataclass(frozen=True)
@@ -83,8 +91,8 @@ class _Config:
         return int(value)
 
 
-def load_hf_config(path: str) -> Architecture:
-    """Architecture of the model a Hugging Face config.json describes."""
+def load_hf_config(path: str, name: str | None = None) -> Architecture:
+    """Architecture of the model a Hugging Face config.json describes; `name` names it (else its folder)."""
     raw = _read_json(path)
     top_type = str(raw.get("model_type", ""))
     text = raw.get("text_config")
@@ -94,12 +102,15 @@ def load_hf_config(path: str) -> Architecture:
         model_type = "gemma3_text"
     config = _Config(values, path, model_type)
     _refuse_state_space(config, raw, top_type)
-    name = _model_name(path)
+    _refuse_unread_family(config, top_type)
+    name = name or _model_name(path)
     if model_type == "mpt":
         return _mpt(config, name)
     if model_type == "opt":
         return _opt(config, name)
-    if model_type in ("deepseek_v2", "deepseek_v3") or config.has("kv_lora_rank"):
+    if model_type == "gpt_oss":
+        return _gpt_oss(config, name)
+    if model_type in _DEEPSEEK_TYPES or config.has("kv_lora_rank"):
         return _deepseek(config, name)
     return _llama_like(config, name)
 
@@ -145,6 +156,18 @@ def _refuse_state_space(config: _Config, raw: dict[str, Any], top_type: str) -> 
         )
 
 
+def _refuse_unread_family(config: _Config, top_type: str) -> None:
+    """A family whose layout the readers below would get wrong, refused rather than counted wrong: Llama 4 (its
+    config's `intermediate_size` is an expert's, every MoE layer also runs a shared expert, dense layers use
+    `intermediate_size_mlp`, and three layers in four attend within chunks: transformers'
+    models/llama4/configuration_llama4.py and modeling_llama4.py)."""
+    if {config.model_type, top_type} & {"llama4", "llama4_text"}:
+        raise UnsupportedModelError(
+            f"{config.path}: Llama 4's config.json is not read yet (its shared expert and chunked attention would "
+            "be counted wrong); use the `llama-4-scout` preset for Scout, or give the model by its numbers with "
+            "a preset near it and --params")
+
+
 # --- families --------------------------------------------------------------------------------
 
 
@@ -183,7 +206,8 @@ def _llama_like(config: _Config, name: str) -> Architecture:
 
 # quantization_config.quant_method -> the weight dtype vLLM loads, for methods whose name says it;
 # for the others (AWQ, GPTQ, compressed-tensors, bitsandbytes) `bits` decides, when it is given.
-_QUANT_METHOD_DTYPES = {"fp8": "fp8", "fbgemm_fp8": "fp8"}
+# MXFP4 (gpt-oss) stores 4-bit elements with one 8-bit scale per 32: read as int4, half a byte each.
+_QUANT_METHOD_DTYPES = {"fp8": "fp8", "fbgemm_fp8": "fp8", "mxfp4": "int4"}
 
 
 def checkpoint_weight_dtype(config: _Config) -> str | None:
@@ -192,7 +216,7 @@ def checkpoint_weight_dtype(config: _Config) -> str | None:
     quantization = config.get("quantization_config")
     if not isinstance(quantization, dict):
         return None
-    method = str(quantization.get("quant_method", "")).lower()
+    method = _quant_method(config)
     bits = quantization.get("bits", quantization.get("w_bit"))
     if method in _QUANT_METHOD_DTYPES:
         return _QUANT_METHOD_DTYPES[method]
@@ -259,12 +283,46 @@ def _sliding_layers(config: _Config, layers: int) -> tuple[int | None, int]:
         first_sliding = config.integer("max_window_layers", layers)
         count = max(0, layers - first_sliding)
         return (window, count) if count else (None, 0)
-    if config.model_type == "gemma2":
-        return window, math.ceil(layers / 2)  # even-indexed layers slide (Gemma2DecoderLayer)
+    if config.model_type in ("gemma2", "gpt_oss"):
+        return window, math.ceil(layers / 2)  # even-indexed layers slide (Gemma2DecoderLayer, GptOssConfig)
     if config.model_type == "gemma3_text":
         pattern = config.integer("sliding_window_pattern")
         return window, layers - layers // pattern  # every pattern-th layer is global
     return window, layers  # Mistral-style: every layer slides
+
+
+def _gpt_oss(config: _Config, name: str) -> Architecture:
+    """gpt-oss: biased GQA with one sink logit per head, and on every layer a biased router over
+    experts whose gate_up (hidden -> 2 x width) and down (width -> hidden) projections carry biases."""
+    layers = config.integer("num_hidden_layers")
+    hidden = config.integer("hidden_size")
+    heads, kv_heads, head_dim = _attention_heads(config)
+    vocab = config.integer("vocab_size")
+    experts = config.integer("num_local_experts")
+    width = config.integer("intermediate_size")
+    expert = hidden * 2 * width + 2 * width + width * hidden + hidden
+    attention = _gqa_attention_params(config, hidden, heads, kv_heads, head_dim) + heads  # + the sinks
+    per_layer = attention + 2 * hidden + experts * (hidden + 1) + experts * expert
+    embeddings = _embedding_params(config, vocab, hidden)
+    params = layers * per_layer + embeddings + hidden
+    routed = layers * experts * expert
+    window, sliding_layers = _sliding_layers(config, layers)
+    # The published checkpoints quantize the experts alone (modules_to_not_convert: attention, router,
+    # embeddings, lm_head); any other quantization is taken to spare embeddings and norms, as elsewhere.
+    sixteen_bit = params - routed if _quant_method(config) == "mxfp4" else embeddings + (2 * layers + 1) * hidden
+    return Architecture(
+        name=name, layers=layers, hidden_size=hidden, attention_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        params=float(params), sliding_window=window, sliding_window_layers=sliding_layers, experts=experts,
+        experts_per_token=config.integer("num_experts_per_tok"), routed_expert_params=float(routed),
+        input_embedding_params=float(0 if config.get("tie_word_embeddings", False) else vocab * hidden),
+        unquantized_params=float(sixteen_bit), checkpoint_weight_dtype=checkpoint_weight_dtype(config),
+        source=f"{config.path} (parameters counted from the architecture)",
+    )
+
+
+def _quant_method(config: _Config) -> str:
+    quantization = config.get("quantization_config")
+    return str(quantization.get("quant_method", "")).lower() if isinstance(quantization, dict) else ""
 
 
 def _deepseek(config: _Config, name: str) -> Architecture:

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from exporter.capacity import model
+from exporter.capacity import kv_cache, model
+from exporter.capacity.architecture import check_tensor_parallel, kv_bytes_per_token, weight_bytes
 from exporter.capacity.deployment import ResolvedSetup, build_setup, load_architecture
 from exporter.capacity.model import RequestGroup, ServingSetup, StepPrediction
 from exporter.capacity.pools import add_pools_arguments, loads_text
@@ -92,7 +93,9 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and serving flags `plan` and `calibrate` share."""
     group = parser.add_argument_group("model and GPU")
     group.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"model preset or path to a Hugging Face config.json (default {DEFAULT_MODEL})")
+                       help=f"model preset (default {DEFAULT_MODEL}); a Hugging Face id such as Qwen/Qwen3-8B, its "
+                            "config.json found in the model config folder or the Hugging Face cache; or the path "
+                            "to a config.json or to a model's folder")
     group.add_argument("--gpu", default=DEFAULT_GPU,
                        help=f"GPU preset (default {DEFAULT_GPU}), or `{CUSTOM_GPU}`: a device given by "
                             "--gpu-memory, --gpu-bandwidth and --gpu-flops (all three then required)")
@@ -159,7 +162,7 @@ def resolve_from_args(args: argparse.Namespace, *, bandwidth_is_calibrated: bool
     params = parse_param_count(args.params) if args.params else None
     architecture = load_architecture(args.model, params)
     tensor_parallel = _parse_tp(args.tp)
-    model.check_tensor_parallel(architecture, tensor_parallel, "--tp")  # build_setup checks it too, without the flag
+    check_tensor_parallel(architecture, tensor_parallel, "--tp")  # build_setup checks it too, without the flag
     return build_setup(
         architecture,
         gpu_from_args(args),
@@ -296,13 +299,13 @@ def build_plan(
         step_budget_seconds=step_budget,
         token_budget_tokens=model.token_budget_tokens(setup, step_budget, context.context_tokens),
         budget_context=context,
-        kv_bytes_per_token=model.kv_bytes_per_token(arch, setup.kv_bytes_per_element, tp),
-        weight_bytes=model.weight_bytes(arch, setup.weight_bytes_per_param, tp),
-        kv_cache_bytes=model.kv_cache_bytes(setup),
-        kv_capacity_tokens=model.kv_capacity_tokens(setup),
+        kv_bytes_per_token=kv_bytes_per_token(arch, setup.kv_bytes_per_element, tp),
+        weight_bytes=weight_bytes(arch, setup.weight_bytes_per_param, tp),
+        kv_cache_bytes=kv_cache.kv_cache_bytes(setup),
+        kv_capacity_tokens=kv_cache.kv_capacity_tokens(setup),
         single_user_tokens_per_second=model.predict_step(setup, [RequestGroup(1, 1.0)]).user_tokens_per_second,
         load_prediction=predict_loads(setup, loads, prefill_tokens_per_step) if loads else None,
-        concurrency=tuple(ConcurrencyAtContext(c, model.max_concurrency(setup, c)) for c in contexts),
+        concurrency=tuple(ConcurrencyAtContext(c, kv_cache.max_concurrency(setup, c)) for c in contexts),
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.capacity import model
+from exporter.capacity import kv_cache, model
 from exporter.capacity.model import RequestGroup, ServingSetup
 from exporter.errors import InputError
 
@@ -75,7 +75,7 @@ def busiest_replica(loads: Sequence[RequestGroup], replicas: int) -> list[Reques
 def _fits(setup: ServingSetup, loads: Sequence[RequestGroup], step_budget_seconds: float) -> bool:
     """The loads' step fits the budget and their tokens fit the KV cache."""
     step = model.predict_step(setup, list(loads))
-    return step.step_seconds <= step_budget_seconds and step.tokens_in_flight <= model.kv_capacity_tokens(setup)
+    return step.step_seconds <= step_budget_seconds and step.tokens_in_flight <= kv_cache.kv_capacity_tokens(setup)
 
 
 def replicas_for_target(setup: ServingSetup, loads: Sequence[RequestGroup], step_budget_seconds: float) -> int | None:
@@ -122,7 +122,7 @@ def plan_pools(setup: ServingSetup, loads: Sequence[RequestGroup], split_tokens:
     return PoolsPlan(
         split_tokens=split_tokens, target_tokens_per_second=target_tokens_per_second, step_budget_seconds=budget,
         token_budget_tokens=model.token_budget_tokens(setup, budget, context),
-        kv_capacity_tokens=model.kv_capacity_tokens(setup),
+        kv_capacity_tokens=kv_cache.kv_capacity_tokens(setup),
         shared=pool_speed(setup, loads, budget),
         short=pool_speed(setup, short, budget) if short else None,
         long=pool_speed(setup, long, budget) if long else None,

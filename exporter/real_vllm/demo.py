@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from exporter.capacity import calibrate, model
+from exporter.capacity import calibrate, fit
 from exporter.demo import (
     DEFAULT_DAEMON_PORT,
     free_port_from,
@@ -97,7 +97,8 @@ def _run(args: argparse.Namespace, workdir: Path, started: list[Callable[[], Non
     resolved = config_from_mapping(daemon_config("127.0.0.1:0", args.poll_interval, model_path, host, None,
                                                  server.metrics_url)).deployments[0].resolved
     # Both points long: this CPU reads the weights faster than the KV, so a short point reads fast and
-    # 1,500 with 7,000 once spread past calibrate's 15% agreement (tests/test_real_vllm_calibration.py).
+    # 1,500 with 7,000 once spread past calibrate's 15% agreement
+    # (tests/real_vllm/test_real_vllm_calibration.py).
     print("2. calibrating as `stepbudget calibrate --url` does: one stream alone at 3,000 and 7,000 tokens",
           flush=True)
     calibration = calibrate.calibrate_live(server.base_url, resolved.setup, model_name=settings.served_model_name,
@@ -153,10 +154,11 @@ def _one_each(load: LoadGenerator, phase: Phase) -> None:
     load.stop(phase.name)
 
 
-def seed_file(calibration: model.Calibration, path: Path) -> tuple[Path | None, str]:
+def seed_file(calibration: fit.Calibration, path: Path) -> tuple[Path | None, str]:
     """The calibration file the daemon starts from, or None with why: the daemon refuses a file
     `calibrate` rejected (its points disagree: on this CPU the weights read faster than the KV, so one
-    bandwidth fits a short and a long stream only so well, benchmarks/results/real_vllm_step_cost.md;
+    bandwidth fits a short and a long stream only so well, benchmarks/results/real_vllm_step_cost.md
+    at commit ca625e1;
     one run from a fresh clone saw 17.9% against the 15% tolerance), and the demo then starts from the
     host's peaks and lets the online fit find the rates, rather than stop."""
     if calibration.agrees:

@@ -16,7 +16,8 @@ from exporter.real_vllm.loadgen import LoadGenerator, Phase
 from exporter.serve.config import Config
 from exporter.serve.discovery import Discovery
 from exporter.serve.engines import PageReading, read_page
-from exporter.serve.poller import HttpFetcher, Poller
+from exporter.serve.fetch import HttpFetcher
+from exporter.serve.poller import Poller
 from exporter.serve.reading import Reading
 from exporter.serve.snapshot import Snapshot
 

@@ -22,11 +22,12 @@ from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.registry import Collector
 
 from exporter import __version__
-from exporter.capacity import model
+from exporter.capacity.architecture import kv_bytes_per_token, weight_bytes
 from exporter.serve.config import Deployment
 from exporter.serve.discovery import NotReadyPod
-from exporter.serve.online_calibration import MIX_PARTS, fit_mix, setup_key
+from exporter.serve.online_fit_types import MIX_PARTS, fit_mix, setup_key
 from exporter.serve.reading import Reading, page_setup
+from exporter.serve.setups_in_use import SetupsInUse, predicting_setup
 from exporter.serve.window import MEDIAN_RESOLUTION_RATIO
 
 POLLED = " (from the last poll of the server's /metrics)"
@@ -215,7 +216,7 @@ PARAMETER_FAMILIES = (
     ("stepbudget_effective_compute_flops_per_second", "Effective dense compute the prediction uses, per GPU.",
      "effective_compute_flops_per_second"),
 )
-# The online fit's name of each exported term (online_calibration.Parameters), and back.
+# The online fit's name of each exported term (online_fit_types.Parameters), and back.
 FIT_PARAMETERS = {"effective_bandwidth_bytes_per_second": "bandwidth_bytes_per_second",
                   "step_overhead_seconds": "step_overhead_seconds", "per_request_seconds": "per_request_seconds",
                   "effective_compute_flops_per_second": "compute_flops_per_second"}
@@ -236,8 +237,10 @@ class StepBudgetCollector(Collector):
     def __init__(self, readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
                  deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple,
                  not_ready: Callable[[], Sequence[NotReadyPod]] = tuple,
-                 mixed_targets: Callable[[], Collection[tuple[str, str]]] = frozenset) -> None:
+                 mixed_targets: Callable[[], Collection[tuple[str, str]]] = frozenset,
+                 setups_in_use: SetupsInUse | None = None) -> None:
         self._readings = readings
+        self._setups_in_use = SetupsInUse() if setups_in_use is None else setups_in_use  # the online fit's
         self._deployments = tuple(deployments)
         self._deployment_targets = deployment_targets
         self._not_ready = not_ready
@@ -253,7 +256,7 @@ class StepBudgetCollector(Collector):
         which the online fit swaps): equal from one call to the next exactly when collect() would export
         the same. The poller publishes a new tuple per poll, and a refit a new InUse, so between polls
         these are the same objects and comparing them costs little."""
-        return (tuple(self._readings()), tuple(d.setup_in_use.get() for d in self._deployments),
+        return (tuple(self._readings()), tuple(self._setups_in_use.get(d.name) for d in self._deployments),
                 tuple(self._deployment_targets()), tuple(self._not_ready()), frozenset(self._mixed_targets()))
 
     def collect(self) -> Iterator[Metric]:
@@ -402,9 +405,9 @@ class StepBudgetCollector(Collector):
             arch = setup.architecture
             labels = {"deployment": deployment.name}
             kv.add_sample(kv.name, labels,
-                          model.kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel))
+                          kv_bytes_per_token(arch, setup.kv_bytes_per_element, setup.tensor_parallel))
             weights.add_sample(weights.name, labels,
-                               model.weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
+                               weight_bytes(arch, setup.weight_bytes_per_param, setup.tensor_parallel))
             objective.add_sample(objective.name, labels, deployment.speed_objective)
             scales.add_sample(scales.name, labels, 1.0 if deployment.scales_to_zero else 0.0)
             info.add_sample("stepbudget_model_info", {
@@ -433,9 +436,9 @@ class StepBudgetCollector(Collector):
                       "its windows do not identify it: label parameter names the stepbudget_ series, reason why "
                       "(docs/operations.md).", "info")
         for deployment in self._deployments:
-            setup, _ = deployment.predicting_setup()
+            in_use = self._setups_in_use.get(deployment.name)
+            setup, _ = predicting_setup(deployment, in_use)
             labels = {"deployment": deployment.name}
-            in_use = deployment.setup_in_use.get()
             for family, attribute in families:
                 source = (in_use.source_of(FIT_PARAMETERS[attribute]) if in_use is not None
                           else deployment.resolved.bandwidth_source)
@@ -492,8 +495,10 @@ class PageRegistry(CollectorRegistry):
 def make_registry(readings: Callable[[], Sequence[Reading]], deployments: Sequence[Deployment],
                   deployment_targets: Callable[[], Sequence[tuple[str, int]]] = tuple,
                   not_ready: Callable[[], Sequence[NotReadyPod]] = tuple,
-                  mixed_targets: Callable[[], Collection[tuple[str, str]]] = frozenset) -> PageRegistry:
+                  mixed_targets: Callable[[], Collection[tuple[str, str]]] = frozenset,
+                  setups_in_use: SetupsInUse | None = None) -> PageRegistry:
     """A private registry (never the global one) holding only the stepbudget collector."""
     registry = PageRegistry()
-    registry.register(StepBudgetCollector(readings, deployments, deployment_targets, not_ready, mixed_targets))
+    registry.register(StepBudgetCollector(readings, deployments, deployment_targets, not_ready, mixed_targets,
+                                          setups_in_use))
     return registry

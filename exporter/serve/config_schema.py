@@ -1,11 +1,11 @@
-"""The daemon config's JSON schema, generated from config.py's key tables.
+"""The daemon config's JSON schema, generated from config_keys.py's key tables.
 
-`stepbudget check-config` validates a config with the key tables in exporter/serve/config.py (core keys
+`stepbudget check-config` validates a config with the key tables in exporter/serve/config_keys.py (core keys
 plus the sections `config.daemon_sections()` lists). The Helm chart checks `values.config` at `helm install`
 time with a JSON schema; this module derives that schema from the same tables, so both refuse
 the same unknown keys, missing required keys and wrongly typed values. The chart's copy lives
 under `properties.config` of helm/stepbudget/values.schema.json, rewritten by
-`python -m exporter.serve.config_schema --write` (`make chart-schema`); tests/test_config_schema.py
+`python -m exporter.serve.config_schema --write` (`make chart-schema`); tests/serve/test_config_schema.py
 fails when it drifts.
 
 What the schema cannot check stays with check-config: that files exist, that model and GPU
@@ -25,6 +25,7 @@ from typing import Any
 
 from exporter import config_validators
 from exporter.serve import config
+from exporter.serve.engines import server_kinds
 from exporter.units import DURATION_PATTERN, FLOPS_UNITS, PER_SECOND_SUFFIX, SIZE_UNITS
 
 NUMBER_TEXT = r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$"
@@ -55,7 +56,13 @@ _DURATION = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "stri
 # No `@` between `//` and the query: credentials in a URL are refused (config_validators.url).
 _URL = {"type": "string", "pattern": r"^\s*https?://[^?#@]*(?:[?#].*)?$"}
 
-# Each plain validator of exporter/config_validators.py (and config.py's `listen_address`), by its
+_LABEL_SET: dict[str, Any] = {
+    "type": "object",
+    "propertyNames": {"pattern": config_validators.LABEL_NAME_PATTERN, "not": {"anyOf": [
+        {"pattern": "^__"}, {"const": "alertname"}]}},
+    "additionalProperties": {"anyOf": [{"type": "string", "pattern": r"\S"}, {"type": "number"}]}}
+
+# Each plain validator of exporter/config_validators.py (and config_keys.py's `listen_address`), by its
 # qualified name: all public, so this table names nothing private of another module.
 PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
     "string": _NON_EMPTY,
@@ -79,10 +86,12 @@ PARSER_SCHEMAS: dict[str, dict[str, Any]] = {
     "url_list": {"anyOf": [_URL, {"type": "array", "minItems": 1, "items": _URL}]},
     "listen_address": {"type": ["string", "integer"]},
     "promql_selector": {"type": "string", "pattern": config_validators.SELECTOR_PATTERN},
-    "label_set": {"type": "object",
-                  "propertyNames": {"pattern": config_validators.LABEL_NAME_PATTERN, "not": {"anyOf": [
-                      {"pattern": "^__"}, {"const": "alertname"}]}},
-                  "additionalProperties": {"anyOf": [{"type": "string", "pattern": r"\S"}, {"type": "number"}]}},
+    "label_set": _LABEL_SET,
+    "alert_labels": {**_LABEL_SET, "propertyNames": {**_LABEL_SET["propertyNames"], "not": {"anyOf": [
+        {"pattern": "^__"}, {"const": "alertname"}, {"const": "severity"}]}}},
+    "prometheus_duration": {"anyOf": [{"type": "integer", "minimum": 0},
+                                      {"type": "string", "pattern": config_validators.PROMETHEUS_DURATION_PATTERN}]},
+    "alert_threshold": {"type": "number", "minimum": 1e-4, "maximum": 100},
 }
 
 # Cross-key checks the schema does not express; check-config still runs them.
@@ -133,6 +142,8 @@ def parser_schema(parse: Callable[..., Any]) -> dict[str, Any]:
     captured = inspect.getclosurevars(parse).nonlocals
     if name == "choice":
         return {"enum": list(captured["choices"])}
+    if name == "server_kind":
+        return {"enum": list(server_kinds())}  # the adapter registry's, as server_kind checks
     if name == "list_of":
         schema = {"type": "array", "items": parser_schema(captured["item"])}
         return {**schema, "minItems": 1} if captured["non_empty"] else schema
@@ -179,7 +190,7 @@ def chart_config_schema() -> dict[str, Any]:
     """`values.config` of the chart: the daemon config less `listen`, which the chart sets from `port`."""
     schema = config_schema()
     schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "listen"}
-    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config.py's "
+    schema["description"] = ("The daemon's YAML config (DESIGN §3), generated from exporter/serve/config_keys.py's "
                              "key tables by exporter/serve/config_schema.py; `listen` comes from `port`.")
     return schema
 

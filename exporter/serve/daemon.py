@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import signal
 import threading
 import time
@@ -38,20 +40,16 @@ from exporter.serve.config import (
     parse_listen,
     read_document,
 )
-from exporter.serve.discovery import Discovery
+from exporter.serve.engines import server_kinds
+from exporter.serve.fetch import MAX_CACHED_REQUESTS, HttpFetcher
+from exporter.serve.once import run_once
 from exporter.serve.online_calibration import MAX_WINDOWS_PER_DEPLOYMENT, OnlineCalibrator
 from exporter.serve.online_seed import start_seeding
-from exporter.serve.poller import MAX_CACHED_REQUESTS, HttpFetcher, Poller
+from exporter.serve.poller import Poller
+from exporter.serve.polling import build_polling
 from exporter.serve.prometheus_source import PrometheusSource
 from exporter.serve.server import Response, StepBudgetServer, TargetRow
-from exporter.serve.sharding import (
-    Shard,
-    ShardedDiscovery,
-    keep_targets,
-    parse_shard,
-    shard_from_config,
-    shard_section,
-)
+from exporter.serve.sharding import parse_shard, shard_section
 from exporter.serve.state_sizes import StateSizes
 
 log = structlog.get_logger("stepbudget.daemon")
@@ -124,8 +122,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-flops", metavar="RATE", help="the device's peak dense FLOP/s for --target, one figure "
                                                             "for every precision, e.g. 125e12 (overrides the preset's)")
     parser.add_argument("--tensor-parallel", type=int, help="GPUs per replica for --target")
-    parser.add_argument("--kind", choices=("auto", "vllm", "sglang", "tgi"),
-                        help="the servers' page format for --target")
+    parser.add_argument("--kind", choices=server_kinds(),
+                        help="the servers' page format for --target: auto (detected from the page) or an engine "
+                             "adapter's kind")
     parser.add_argument("--target-tps", type=float, help="per-user speed target for --target (default 50)")
     parser.add_argument("--alertmanager-url", action="append", metavar="URL", default=[],
                         help="Alertmanager to post alerts to (repeatable); overrides alerting.alertmanager_urls")
@@ -134,6 +133,20 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="poll only shard INDEX of COUNT "
                              "(0 <= INDEX < COUNT; rendezvous hash of each target's URL); "
                              "overrides the config's shard section")
+    once = parser.add_argument_group(
+        "one-shot check (--once)",
+        "Poll every target once as serve would (same discovery, timeouts and page reading), print each "
+        "target's reading (engine kind read off the page, tokens in flight, KV capacity, predicted step, "
+        "measured step) and exit: 0 when every target was read, 1 naming each target down or unreadable "
+        "(and each deployment that found no target). No HTTP server, no alert loop, no online calibration.")
+    once.add_argument("--once", action="store_true", help="poll, print, exit (see above)")
+    once.add_argument("--once-interval-seconds", type=float, metavar="SECONDS",
+                      help="the measured step is a difference of each server's counters between two polls, so "
+                           "--once polls twice, this far apart (default: poll_interval, the daemon's window); "
+                           "0 polls once and leaves the measured step out")
+    once.add_argument("--json", action="store_true",
+                      help="with --once: print a JSON list, one object per target (deployment, target, url, up, "
+                           "error, kind, readings)")
 
 
 _TOP_LEVEL_FLAGS = {"listen": "listen", "poll_interval": "poll_interval", "timeout": "timeout",
@@ -192,15 +205,12 @@ def gpu_from_flags(args: argparse.Namespace) -> str | dict[str, Any]:
 
 def build_daemon(config: Config) -> Daemon:
     host, port = parse_listen(config.listen)
-    fetcher = HttpFetcher(config.timeout_seconds, config.max_response_bytes)
-    discovery: Any = Discovery(config.deployments, timeout_seconds=config.timeout_seconds)
-    shard = shard_from_config(config)
-    if shard is not None:
-        discovery = ShardedDiscovery(discovery, shard)
-    sources = prometheus_sources(config, shard)
-    poller = Poller(config, discovery, fetcher, sources=sources)
+    # The online fit publishes the setups it fits; the poller predicts with them and the collector exports them.
+    calibrator = OnlineCalibrator(config.deployments)
+    polling = build_polling(config, calibrator.setups_in_use)
+    poller, fetcher, sources, shard = polling.poller, polling.fetcher, polling.sources, polling.shard
     registry = make_registry(poller.readings, config.deployments, poller.deployment_targets, poller.not_ready,
-                             poller.mixed_targets)
+                             poller.mixed_targets, calibrator.setups_in_use)
     server = StepBudgetServer(host, port, registry, ready=lambda: poller.ready,
                               targets=lambda: _target_rows(poller))
     # The loop always evaluates, so `GET /api/v1/alerts` shows pending and firing alerts; it posts
@@ -211,7 +221,6 @@ def build_daemon(config: Config) -> Daemon:
                            generator_url=f"http://{host or _hostname()}:{server.port}/",
                            deployment_alerts=shard is None or shard.count == 1,
                            scales_to_zero=[d.name for d in config.deployments if d.scales_to_zero])
-    calibrator = OnlineCalibrator(config.deployments)
     if calibrator.deployments:
         # Before the alert loop, so a poll's refit is in place for the next poll's predictions.
         poller.add_listener(calibrator.on_poll)
@@ -240,15 +249,6 @@ def watch_state(poller: Poller, fetcher: HttpFetcher, alert_loop: AlertLoop, cal
     return sizes
 
 
-def prometheus_sources(config: Config, shard: Shard | None) -> tuple[PrometheusSource, ...]:
-    """One query source per `targets.prometheus` deployment; a shard (the one that cuts discovery
-    down too) keeps its share of each."""
-    keep = None if shard is None else (lambda targets: keep_targets(targets, shard))
-    return tuple(PrometheusSource(deployment, timeout_seconds=config.timeout_seconds,
-                                  stale_after_seconds=config.stale_after_seconds, keep=keep)
-                 for deployment in config.deployments if deployment.prometheus is not None)
-
-
 def _alerts_response(alert_loop: AlertLoop) -> Response:
     body = {"status": "success", "data": {"alerts": alert_loop.active()}}
     return Response(200, json.dumps(body).encode(), "application/json")
@@ -275,7 +275,16 @@ def _target_rows(poller: Poller) -> list[TargetRow]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.once and (args.json or args.once_interval_seconds is not None):
+        raise InputError("--json and --once-interval-seconds go with --once")
+    interval = args.once_interval_seconds
+    if interval is not None and not (math.isfinite(interval) and interval >= 0):
+        raise InputError(f"--once-interval-seconds must be 0 or more, got {interval:g}")
     config = config_from_args(args)
+    if args.once:
+        # Warnings only (a target down, a page problem) on stderr: stdout is the readings.
+        configure_logging(config.log_format, level=logging.WARNING)
+        return run_once(config, interval, args.json)
     configure_logging(config.log_format)
     stop = threading.Event()
 

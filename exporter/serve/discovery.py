@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from exporter.serve.config import Deployment, DnsTargets, KubernetesTargets
+from exporter.serve.config_model import Deployment, DnsTargets, KubernetesTargets
 
 log = structlog.get_logger("stepbudget.discovery")
 

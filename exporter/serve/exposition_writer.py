@@ -2,7 +2,7 @@
 prometheus_client's `generate_latest` writes, at a fraction of its cost.
 
 Why: at 1,000 targets the page is ~22,000 samples, and `generate_latest` validates and escapes every
-label of every sample (benchmarks/results/profile_hotpath_before_metrics.txt: 90% of a render). The
+label of every sample (benchmarks/results/profile_hotpath_before_metrics.txt at commit ca625e1: 90% of a render). The
 stepbudget families repeat one label set per reading across ~22 families, and the same label sets
 from one poll to the next: here each distinct label set is escaped once and its text remembered (by
 its content, so a changed or reused dict can never be written with stale text), and the per-sample
@@ -29,13 +29,12 @@ from typing import cast
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
+
+# Names escaped for UTF-8 support, and openmetrics' escaping argument: prometheus_client 0.23+ (the floor in
+# pyproject.toml, which `make test-floors` runs the tests on); tests compare bytes with 0.26 as well.
+from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-
-try:  # prometheus_client 0.21+ (names escaped for UTF-8 support); tests compare bytes with 0.26
-    from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
-except ImportError:  # pragma: no cover - an older client: its own generate_latest writes every page
-    escape_label_name = escape_metric_name = None  # type: ignore[assignment]  # older prometheus_client lacks them
 
 # A number as prometheus_client writes it (Go's formatting: `+Inf`, `NaN`, `1e+22`); untyped there.
 _go_string = cast(Callable[[float], str], floatToGoString)
@@ -142,8 +141,6 @@ def _family(metric: Metric, out: list[str]) -> bool:
 
 def render_text(registry: Collector) -> bytes:
     """`generate_latest(registry)`, written faster: the same bytes."""
-    if escape_label_name is None:  # pragma: no cover
-        return generate_latest(registry)
     out: list[str] = []
     for metric in registry.collect():
         if not _family(metric, out):

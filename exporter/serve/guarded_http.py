@@ -26,7 +26,8 @@ control): a client that does not read holds one piece, never a whole 3 MB page. 
 cannot be flushed is reset at the next deadline instead of lingering.
 
 uvicorn is used through its public Config/Server and one subclass of its h11 protocol (`GuardedH11`),
-which relies on these parts of uvicorn 0.55 (pinned in pyproject.toml, tested in tests/test_http_hostile.py):
+which relies on these parts of uvicorn 0.55 (pinned in pyproject.toml, tested in
+tests/serve/test_http_hostile.py):
 `handle_events` creates `self.cycle` for each request head, `on_response_complete` is called once an
 answer is written, `send_400_response` is called inside `except h11.RemoteProtocolError`, and
 `self.connections` is the server's set of open connections.

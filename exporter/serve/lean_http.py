@@ -7,8 +7,8 @@ For one 19 KB page that was 0.33 ms of CPU against 0.05 ms for the same GET over
 little of HTTP: one GET per target on a kept-alive connection, a status, a body framed by
 Content-Length, chunked encoding or the end of the connection, maybe gzip. That is all this does;
 https stays on urllib3 (TLS is its job), and so do the failure reasons: the errors raised here are
-urllib3's own exception types with urllib3's own messages, so poller.py names them exactly as it
-names urllib3's (tests/test_lean_http.py compares the two on the same hostile servers).
+urllib3's own exception types with urllib3's own messages, so fetch.py names them exactly as it
+names urllib3's (tests/serve/test_lean_http.py compares the two on the same hostile servers).
 
 Protocol reference: RFC 9112 (HTTP/1.1 message syntax: status line, header fields, chunked
 transfer coding, message body length in section 6.3), read as CPython's http.client reads it

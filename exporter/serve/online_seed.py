@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import structlog
 
 from exporter.capacity.deployment import ResolvedSetup
-from exporter.capacity.model import Calibration
+from exporter.capacity.fit import Calibration
 from exporter.errors import InputError
-from exporter.serve import online_calibration
 from exporter.serve.collector import MIX_SHARE_METRIC, MIX_TOKENS_METRIC, WINDOW_SETUP_METRIC
-from exporter.serve.online_calibration import FitWindow, fit_mix
+from exporter.serve.online_fit import calibration_from_fit, fit_windows
+from exporter.serve.online_fit_types import Bounds, FitWindow, fit_mix, setup_key
 from exporter.units import parse_duration_seconds
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def query_range(url: str, query: str, start: float, end: float, step: float,
 def windows_from_prometheus(url: str, deployment: str, start: float, end: float, *, setup: str,
                             step_seconds: float = DEFAULT_STEP_SECONDS,
                             timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> History:
-    """The deployment's windows of setup `setup` (online_calibration.setup_key) between `start` and
+    """The deployment's windows of setup `setup` (setup_key) between `start` and
     `end`, one per engine and sample time where the tokens in flight, running requests and measured
     step all have a value (prefill: 0 when absent; the mix where its parts are all there).
 
@@ -235,7 +235,7 @@ def calibration_from_history(args: argparse.Namespace, resolved: ResolvedSetup) 
     now = time.time()
     try:
         history = windows_from_prometheus(args.prometheus, args.deployment, now - since, now,
-                                          setup=online_calibration.setup_key(resolved))
+                                          setup=setup_key(resolved))
     except PrometheusError as error:
         raise OSError(str(error)) from None
     windows = [window for _, window in history.windows]
@@ -243,7 +243,8 @@ def calibration_from_history(args: argparse.Namespace, resolved: ResolvedSetup) 
         raise InputError(f"no window of this setup in {args.prometheus} for deployment {args.deployment!r} over "
                          f"the last {args.since}: {history.other_setup} of another setup (model, GPU, tensor "
                          f"parallelism or weight dtype), {history.unknown_setup} of no known setup")
-    bounds = online_calibration.Bounds.of_setup(resolved)
-    fit = online_calibration.fit_windows(resolved.setup, windows, bounds, min_windows=1)
+    bounds = Bounds.of_setup(resolved)
+    fit = fit_windows(resolved.setup, windows, bounds, min_windows=1,
+                                         seed_bandwidth_measured=resolved.bandwidth_source != "default")
     where = f"of deployment {args.deployment!r} in {args.prometheus} over the last {args.since}"
-    return online_calibration.calibration_from_fit(resolved.setup, windows, fit, where)
+    return calibration_from_fit(resolved.setup, windows, fit, where)

@@ -38,7 +38,9 @@ drops the name (so two names' series would collide), hence one `timestamp(name{s
 name, each tagged with its name: one more evaluation of the same series per poll, one more series
 per target in the answer.
 
-Each scrape target (`job`, `instance`) is one daemon target labelled by its `instance`; the labels
+Each scrape target (`cluster`, `job`, `instance`) is one daemon target labelled by its `instance` (a global
+Prometheus or Thanos querier carries each cluster's series with its `cluster` external label: the same
+`job` and `instance` in two clusters are two targets, labelled `cluster/instance`); the labels
 Prometheus added to it (those on its `up`: job, instance, namespace, pod, ...) are taken off its
 series before reading, so they look as they did on the page. Failures are target failures: a query
 error, a timeout, a Prometheus that is down or a partial answer (Thanos/Mimir `warnings`) make every
@@ -80,7 +82,7 @@ SAMPLE_TIME_TOLERANCE_SECONDS = 0.1
 SCRAPE_INTERVALS_ALLOWED = 2.0
 INTERVALS_REMEMBERED = 8  # the interval is the shortest of the last few scrape spacings seen
 CHUNK_BYTES = 1 << 20
-ScrapeKey = tuple[str, str]  # (job, instance): one scrape target of the user's Prometheus
+ScrapeKey = tuple[str, str, str]  # (cluster, job, instance): one scrape target of the user's Prometheus
 
 
 class QueryError(Exception):
@@ -153,7 +155,7 @@ def series_query(names: Iterable[str], selector: str) -> str:
                         for name in every)
     return (f'{{__name__=~"{"|".join(every)}"{matchers}}} or '
             f'label_replace(timestamp(up{{{selector}}}), "{SCRAPE_TIME_LABEL}", "1", "", "") or '
-            f'label_replace(stddev by (job, instance) ({times}), "{SAMPLE_TIME_SPREAD_LABEL}", "1", "", "")')
+            f'label_replace(stddev by (cluster, job, instance) ({times}), "{SAMPLE_TIME_SPREAD_LABEL}", "1", "", "")')
 
 
 def read_body(response: requests.Response, deadline: float, limit: int,
@@ -205,7 +207,7 @@ def group_by_target(result: list[dict[str, Any]]) -> dict[ScrapeKey, ScrapedTarg
         labels = dict(item["metric"])
         value = item["value"][1]
         name = labels.pop("__name__", "")
-        key = (labels.get("job", ""), labels.get("instance", ""))
+        key = (labels.get("cluster", ""), labels.get("job", ""), labels.get("instance", ""))
         if SCRAPE_TIME_LABEL in labels:
             times[key] = float(value)
         elif SAMPLE_TIME_SPREAD_LABEL in labels:
@@ -331,13 +333,18 @@ class PrometheusSource:
         return [self._outcome(key, target, scraped[key]) for key, target in self._targets.items()]
 
     def _name_targets(self, scraped: Mapping[ScrapeKey, ScrapedTarget]) -> dict[ScrapeKey, Target]:
-        """`instance` is the `target` label; where two jobs scrape one instance, the job is added."""
-        jobs_per_instance = Counter(instance for _, instance in scraped)  # a count per poll, not a scan per target
+        """`instance` is the `target` label; where two jobs scrape one instance, the job is added; where two
+        clusters hold one instance (a global querier), the cluster is put first."""
+        # Counts per poll, not a scan per target.
+        jobs_per_instance = Counter((cluster, instance) for cluster, _, instance in scraped)
+        clusters_per_instance = Counter(instance for _, instance in {(c, i) for c, _, i in scraped})
         targets = {}
-        for (job, instance), entry in sorted(scraped.items()):
-            label = instance if jobs_per_instance[instance] == 1 else f"{instance}/{job}"
-            url = f"{self._shown_url}/api/v1/query#job={job},instance={instance}"
-            targets[(job, instance)] = Target(self.deployment.name, url, redact(label),
+        for (cluster, job, instance), entry in sorted(scraped.items()):
+            label = instance if jobs_per_instance[(cluster, instance)] == 1 else f"{instance}/{job}"
+            label = label if clusters_per_instance[instance] == 1 else f"{cluster}/{label}"
+            where = f"cluster={cluster}," if cluster else ""
+            url = f"{self._shown_url}/api/v1/query#{where}job={job},instance={instance}"
+            targets[(cluster, job, instance)] = Target(self.deployment.name, url, redact(label),
                                               namespace=entry.target_labels.get("namespace"),
                                               pod=entry.target_labels.get("pod"))
         return targets

@@ -25,7 +25,7 @@ from exporter.config_validators import REQUIRED, Invalid, Key, Section, Where, w
 from exporter.errors import InputError
 
 if TYPE_CHECKING:
-    from exporter.serve.config import Config
+    from exporter.serve.config_model import Config
     from exporter.serve.discovery import NotReadyPod, Target
 
 log = structlog.get_logger("stepbudget.sharding")

@@ -149,3 +149,9 @@ class Snapshot:
         if usage is None or not blocks or blocks < 2 or not block:
             return None
         return usage * (blocks - 1) * block
+
+
+def counter_delta(previous: Snapshot, current: Snapshot, name: str) -> float | None:
+    """A Snapshot field's change between two polls of one engine; None where either lacks it."""
+    before, now = getattr(previous, name), getattr(current, name)
+    return None if before is None or now is None else now - before

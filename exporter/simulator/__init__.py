@@ -8,7 +8,6 @@ Public API:
   * `ServerSpec`, `HardwareTruth`, `load_scenario(name_or_yaml_path)`, `builtin_scenarios()`.
 """
 
-from exporter.simulator.engine import ServerSpec, SimRequest, Simulator, StepRecord
 from exporter.simulator.hardware import HardwareTruth
 from exporter.simulator.scenarios import (
     AGENTS_JOIN_SECONDS,
@@ -19,6 +18,8 @@ from exporter.simulator.scenarios import (
     scenario_from_dict,
 )
 from exporter.simulator.server import ServerHandle, start_server
+from exporter.simulator.simulation import Simulator
+from exporter.simulator.spec import ServerSpec, SimRequest, StepRecord
 
 __all__ = [
     "AGENTS_JOIN_SECONDS", "AGENTS_LEAVE_SECONDS", "HardwareTruth", "Scenario", "ServerHandle", "ServerSpec",

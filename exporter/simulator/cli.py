@@ -9,9 +9,9 @@ from dataclasses import replace
 from types import FrameType
 
 from exporter.errors import InputError
-from exporter.simulator.engine import ServerSpec
 from exporter.simulator.scenarios import Scenario, ScenarioSettings, builtin_scenarios, load_scenario
 from exporter.simulator.server import start_server
+from exporter.simulator.spec import ServerSpec
 from exporter.simulator.vllm_metrics import DEFAULT_VERSION, VERSIONS
 
 

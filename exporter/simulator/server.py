@@ -24,8 +24,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from exporter.errors import InputError
 from exporter.logs import StructuredHTTPServer
-from exporter.simulator.engine import ServerSpec, SimRequest, Simulator
 from exporter.simulator.scenarios import Scenario
+from exporter.simulator.simulation import Simulator
+from exporter.simulator.spec import ServerSpec, SimRequest
 
 # A string prompt has no tokenizer here: its length is approximated as one token per 4 characters
 # (the usual rule of thumb for English BPE vocabularies). A list of token ids is exact.

@@ -24,26 +24,36 @@ from exporter.serve.engines.families import (
 )
 from exporter.serve.snapshot import Snapshot
 
-__all__ = ["ADAPTERS", "PageError", "PageReading", "PageScan", "read_page", "reading_from_scan", "wanted_names"]
+__all__ = ["ADAPTERS", "PageError", "PageReading", "PageScan", "read_page", "reading_from_scan", "server_kinds",
+           "wanted_names"]
 
+# The registry: the one list of engine kinds. `kind: auto` tries every adapter here (ties go to
+# the earlier one), and the config key, `--kind`, the schema's enum and the docs derive from it.
 ADAPTERS: dict[str, Adapter] = {adapter.kind: adapter for adapter in (vllm.ADAPTER, sglang.ADAPTER, tgi.ADAPTER)}
-_ALL_WANTED = frozenset().union(*(adapter.wanted() for adapter in ADAPTERS.values()))
+# Every adapter's sample names, by the registry's kinds: computed once per registry, not per page.
+_ALL_WANTED: dict[tuple[str, ...], frozenset[str]] = {}
+
+
+def server_kinds() -> tuple[str, ...]:
+    """Every accepted `kind`: "auto" and each registered adapter's. A function, not a constant, so
+    an adapter added to ADAPTERS is accepted wherever a kind is checked, with nothing else to edit."""
+    return ("auto", *ADAPTERS)
 
 
 @dataclass(frozen=True)
 class PageReading:
     """What one page says: the server kind, one Snapshot per engine, and page-level oddities."""
 
-    kind: str  # "vllm" | "sglang" | "tgi"
+    kind: str  # one of ADAPTERS' kinds
     snapshots: tuple[Snapshot, ...]
     problems: tuple[str, ...]  # each worth one log line (truncated histogram, NaN dropped, ...)
 
 
 def _detect(scan: PageScan) -> Adapter:
     present = {kind: adapter.families_present(scan) for kind, adapter in ADAPTERS.items()}
-    kind = max(present, key=lambda k: present[k])  # ties: vllm, sglang, tgi order
+    kind = max(present, key=lambda k: present[k])  # ties: the registry's order
     if present[kind] == 0:
-        raise PageError("no known engine metrics", "none of the vLLM, SGLang or TGI families needed is on the page")
+        raise PageError("no known engine metrics", f"none of the families {', '.join(ADAPTERS)} need is on the page")
     return ADAPTERS[kind]
 
 
@@ -114,9 +124,12 @@ def wanted_names(kind: str) -> frozenset[str]:
     """The exact sample names `kind`'s adapter reads ("auto": every adapter's), so a reader that
     is not a page (the Prometheus query source) asks for exactly what the page reader keeps."""
     if kind == "auto":
-        return _ALL_WANTED
+        kinds = tuple(ADAPTERS)
+        if kinds not in _ALL_WANTED:
+            _ALL_WANTED[kinds] = frozenset().union(*(adapter.wanted() for adapter in ADAPTERS.values()))
+        return _ALL_WANTED[kinds]
     if kind not in ADAPTERS:
-        raise PageError("unknown server kind", f"{kind!r} (known: auto, {', '.join(ADAPTERS)})")
+        raise PageError("unknown server kind", f"{kind!r} (known: {', '.join(server_kinds())})")
     return ADAPTERS[kind].wanted()
 
 
@@ -136,7 +149,7 @@ def reading_from_scan(scan: PageScan, kind: str = "auto") -> PageReading:
 
 
 def read_page(text: str, kind: str = "auto") -> PageReading:
-    """Parses one /metrics page; kind "auto" detects vllm/sglang/tgi from the families present.
+    """Parses one /metrics page; kind "auto" detects the engine (one of ADAPTERS) from the families present.
 
     Raises PageError when the page is unusable: not Prometheus text (HTML, binary garbage, empty),
     or none of the families a known engine needs.

@@ -44,7 +44,7 @@ _UNESCAPED = {"\\": "\\", '"': '"', "n": "\n"}
 # Python's float() also takes "1_0", "infinity", "\u0661", surrounding whitespace and the like,
 # which Prometheus does not write. Without underscores, whitespace and non-ASCII digits, float()'s
 # grammar for numbers is this one's; so a token float() reads is a value when it holds only these
-# characters, or is one of the spellings below (tests/test_exposition.py checks it against the
+# characters, or is one of the spellings below (tests/serve/engines/test_exposition.py checks it against the
 # grammar written as a regular expression). Cheaper than matching that expression: ~50 values a page.
 _NUMBER_CHARS = "0123456789.eE+-"
 _NON_FINITE = frozenset({"Inf", "inf", "NaN", "nan"})  # after at most one sign
@@ -352,7 +352,7 @@ class WantedLines:
 
     What a page grows by is series of families the daemon does not read (vLLM's `vllm:lora_requests_info`
     gains one for every ordering of adapter names and never loses one: docs/engines.md, "LoRA"). Past
-    the fetch's size cap (poller.HttpFetcher) the page goes through here: only the kept lines and the
+    the fetch's size cap (fetch.HttpFetcher) the page goes through here: only the kept lines and the
     lines that belong to no family (comments other than HELP/TYPE/UNIT, blank or malformed lines:
     what an endless stream of junk is made of) count against `limit`. A sample line of another family,
     or its HELP/TYPE/UNIT line, costs a look at its name and is dropped, however long; its bytes are

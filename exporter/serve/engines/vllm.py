@@ -69,7 +69,7 @@ SPECS = (
                match=(("source", "local_compute"),), optional=True),
     FamilySpec("prompt_tokens_cached_total", ("vllm:prompt_tokens_cached_total",), "counter", optional=True),
     FamilySpec("generation_tokens_total", ("vllm:generation_tokens_total",), "counter"),
-    # What a prompt part-way through its prefill has computed (window._in_progress_change).
+    # What a prompt part-way through its prefill has computed (vllm_prefill._in_progress_change).
     FamilySpec("prompt_tokens_admitted_total", ("vllm:prefix_cache_queries_total",), "counter", optional=True),
     FamilySpec("prompt_tokens_admitted_cached_total", ("vllm:prefix_cache_hits_total",), "counter", optional=True),
     FamilySpec("prompt_tokens_local_cache_hit_total", ("vllm:prompt_tokens_by_source_total",), "counter",
