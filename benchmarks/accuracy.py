@@ -7,10 +7,10 @@ Two tables from shared/reference/validation/:
     InternLM-20B, batches 1-64, prompt/output lengths 1-2048, output tokens/s and p50 per-token latency.
 
 Method, per series (same model, hardware, GPU count, prompt and output lengths):
-  1. Calibrate on the two smallest batches of the series (exporter.capacity.model.calibrate, least squares):
+  1. Calibrate on the two smallest batches of the series (exporter.capacity.fit.calibrate, least squares):
      with two batch sizes the fit gives the effective bandwidth and a per-request cost (the step
      model by phase: overhead + per-request cost x running + GEMM phase + attention phase).
-     Every fitted term is bounded to physically sane values (model.FitBounds): bandwidth and compute
+     Every fitted term is bounded to physically sane values (fit.FitBounds): bandwidth and compute
      at most the GPU's datasheet peak, a per-step overhead at most 50 ms, a per-request cost at most
      300 us (published per-request slopes are 30-130 us). A term the two points put past its bound,
      or negative, is one they cannot separate reliably: it is not fitted and the rest is refitted
@@ -62,8 +62,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exporter.capacity import model
-from exporter.capacity.model import Architecture, RequestGroup, ServingSetup
+from exporter.capacity import fit, model
+from exporter.capacity.architecture import Architecture
+from exporter.capacity.model import RequestGroup, ServingSetup
 
 DATA_DIR = REPO / "benchmarks" / "data" / "validation"  # vendored from shared/reference/validation
 RESULTS = REPO / "benchmarks" / "results"
@@ -253,9 +254,9 @@ def predict_series(rows: list[Row], arch: Architecture, peak: tuple[float, float
         return []
     calibration_rows = usable[:CALIBRATION_ROWS]
     probe = _setup(arch, peak, usable[0].gpus, bandwidth=1.0)
-    calibration = model.calibrate([
+    calibration = fit.calibrate([
         model.calibration_point(probe, r.calibration_step_seconds, r.batch * mean_context(r), r.batch)
-        for r in calibration_rows], bounds=model.FitBounds(max_bandwidth_bytes_per_second=peak[0],
+        for r in calibration_rows], bounds=fit.FitBounds(max_bandwidth_bytes_per_second=peak[0],
                                                            max_compute_flops_per_second=peak[1]))
     refused = "" if calibration.agrees else (  # two batch sizes: agreement is the fit's largest miss
         f"calibration refused: the fit misses its own points by up to "

@@ -1,7 +1,7 @@
 """How far this host's own speed moves from minute to minute, with nothing of ours running.
 
 Why: the online-calibration benchmark (benchmarks/real_vllm_online.py) predicts its evaluated phase from a
-fit made a holdout (60 s) earlier, and issue 19 asks for a median error within 5% there. Its drift tables
+fit made a holdout (60 s) earlier, and its bar is a median error within 5% there. Its drift tables
 show the same load stepping 5-20% apart a minute later. This asks whether the host moves that much on its
 own: on the core vLLM 0.32.0's CPU backend binds its model to (core 0 here: vllm/utils/ompmultiprocessing.py
 l. 137-141 takes one logical CPU per physical core, and l. 293-296 reserves the last of them for the

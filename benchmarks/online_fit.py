@@ -32,13 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from exporter.capacity import model
 from exporter.serve.config import Deployment, config_from_mapping
-from exporter.serve.online_calibration import (
-    DeploymentCalibration,
-    FitWindow,
-    OnlineCalibrator,
-    Parameters,
-    fit_windows,
-)
+from exporter.serve.online_calibration import DeploymentCalibration, OnlineCalibrator
+from exporter.serve.online_fit import fit_windows
+from exporter.serve.online_fit_types import FitWindow, Parameters
 
 RESULTS = REPO / "benchmarks" / "results"
 POLL_SECONDS = 15.0

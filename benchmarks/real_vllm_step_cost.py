@@ -147,8 +147,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the server (VLLM_CPU_ATTN_SPLIT_KV=0, say)")
-    parser.add_argument("--output", default="real_vllm_step_cost.json",
-                        help="file in benchmarks/results/ the rows go to (default %(default)s)")
+    parser.add_argument("--output", type=Path, default=RESULTS / "real_vllm_step_cost.json",
+                        help="where the rows go (default %(default)s, the current result: a run to compare "
+                             "against it goes outside benchmarks/results/)")
     parser.add_argument("--table", nargs="+", metavar="FILE",
                         help="print the tables of stored runs instead of measuring (two: and their comparison)")
     arguments = parser.parse_args()
@@ -167,8 +168,8 @@ def main() -> int:
             rows = [measure(server, load, groups) for groups in UNIFORM_LOADS + MIXED_LOADS]
         finally:
             server.stop()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / arguments.output).write_text(json.dumps(rows, indent=1))
+    arguments.output.parent.mkdir(parents=True, exist_ok=True)
+    arguments.output.write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return 0
 

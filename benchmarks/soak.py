@@ -53,8 +53,9 @@ from exporter.serve.collector import make_registry
 from exporter.serve.config import Config, config_from_mapping
 from exporter.serve.daemon import watch_state
 from exporter.serve.discovery import Target
+from exporter.serve.fetch import HttpFetcher
 from exporter.serve.online_calibration import OnlineCalibrator
-from exporter.serve.poller import HttpFetcher, Poller
+from exporter.serve.poller import Poller
 from exporter.serve.server import StepBudgetServer
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -221,11 +222,13 @@ def soak_fleet(minutes: float) -> dict[str, Any]:
     clock = SimulatedClock(1_800_000_000.0)
     discovery = ChurningDiscovery(config, fleet.port)
     fetcher = HttpFetcher(config.timeout_seconds, config.max_response_bytes)
-    poller = Poller(config, discovery, fetcher, clock=clock)  # type: ignore[arg-type]
-    registry = make_registry(poller.readings, config.deployments, poller.deployment_targets)
+    calibrator = OnlineCalibrator(config.deployments)  # as serve wires it: its setups reach the poller and page
+    poller = Poller(config, discovery, fetcher, clock=clock,  # type: ignore[arg-type]
+                    setups_in_use=calibrator.setups_in_use)
+    registry = make_registry(poller.readings, config.deployments, poller.deployment_targets,
+                             setups_in_use=calibrator.setups_in_use)
     server = StepBudgetServer("127.0.0.1", 0, registry, ready=lambda: poller.ready)
     alert_loop = AlertLoop(config.alerting, poll_interval_seconds=POLL_SECONDS, clock=clock, post=lambda *a: None)
-    calibrator = OnlineCalibrator(config.deployments)
     book = book_module.AdmissionBook([book_module.DeploymentPolicy("chat", 50.0)], clock=clock)
     poller.add_listener(calibrator.on_poll)
     poller.add_listener(alert_loop.on_poll)
