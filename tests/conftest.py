@@ -1,28 +1,65 @@
 """Shared fixtures: a free port, an injected clock, hand-driven pollers, a real HTTP page server on
 127.0.0.1, and a real Alertmanager. Generic on purpose: any test module may use them. The helpers they
 are built from, and that tests import, live in tests/support.
+
+Also the test tiers: a test that drives an external tool (through `require_tool`, in its own body, a
+helper or a fixture) is marked `tools` here; one that calls it at run time without a tier marker fails.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import requests
 
+from tests.support import tools
 from tests.support.alertmanager import ALERTMANAGER_CONFIG, Alertmanager
 from tests.support.clocks import ManualClock, SteppingClock
 from tests.support.e2e.stack import alertmanager_binary
 from tests.support.pollers import MakePoller
 from tests.support.processes import stop_process
 from tests.support.servers import PageServer, free_port, wait_until
+from tests.support.tiers import function_reaches_tool
 
 if TYPE_CHECKING:
     from exporter.serve.config import Config
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Markers of the slow release checks, here so that pyproject's marker list stays the project's own."""
+    config.addinivalue_line("markers", "artifacts: builds the sdist and wheel and runs the wheel in a clean venv")
+    config.addinivalue_line("markers", "release_check: make release-check's OCI registry and image checks")
+
+
+def _drives_tool(item: pytest.Function) -> bool:
+    fixturedefs = item._fixtureinfo.name2fixturedefs  # pytest has no public way to the fixtures
+    return function_reaches_tool(item.function) or any(
+        function_reaches_tool(fixturedef.func) for defs in fixturedefs.values() for fixturedef in defs)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `tools` every test that drives an external tool, as far as the source shows, and `slow` the
+    release checks (a wheel installed in a clean venv, an image built)."""
+    for item in items:
+        if isinstance(item, pytest.Function) and _drives_tool(item):
+            item.add_marker(pytest.mark.tools)
+        if item.get_closest_marker("artifacts") or item.get_closest_marker("release_check"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """Let `require_tool` see the running test's markers, to fail a test that drives a tool unmarked."""
+    tools.running_markers = frozenset(marker.name for marker in item.iter_markers())
+    try:
+        yield
+    finally:
+        tools.running_markers = None
 
 
 @pytest.fixture
@@ -39,7 +76,8 @@ def clock() -> ManualClock:
 def make_poller() -> Iterator[MakePoller]:
     """Pollers driven by hand (`poll_once`) with injected clocks; stopped after the test."""
     from exporter.serve.discovery import Discovery
-    from exporter.serve.poller import HttpFetcher, Poller
+    from exporter.serve.fetch import HttpFetcher
+    from exporter.serve.poller import Poller
 
     started: list[tuple[Poller, HttpFetcher]] = []
 

@@ -1,5 +1,6 @@
 """The Helm chart rendered by the real helm binary, and the objects picked out of what it renders:
-tests/test_helm_chart.py and tests/test_helm_layout.py check the same renders, so both read them from here."""
+tests/deploy/test_helm_chart.py and tests/deploy/test_helm_layout.py check the same renders, so both
+read them from here."""
 
 from __future__ import annotations
 

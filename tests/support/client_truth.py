@@ -6,8 +6,8 @@ counters (exporter/serve/open_context.py): the clients' prompt plus every token 
 KV used is the blocks the cache holds: a request's context rounded up to whole blocks, which the daemon
 reads from the usage ratio and takes half a block off per request.
 
-Shared by the live run (tests/test_real_vllm_pipeline.py) and the runs recorded from it
-(tests/test_real_vllm_recorded.py, tests/data/real-vllm-runs/), so a CI run that failed is kept and
+Shared by the live run (tests/real_vllm/test_real_vllm_pipeline.py) and the runs recorded from it
+(tests/real_vllm/test_real_vllm_recorded.py, tests/data/real-vllm-runs/), so a CI run that failed is kept and
 checked again on every `make test`, without an engine.
 """
 

@@ -1,5 +1,5 @@
 """A stub Prometheus query API on 127.0.0.1 and the answers it gives, as a scrape labels them: what the
-Prometheus-source tests (tests/test_prometheus_source.py, test_prometheus_torn_scrape.py,
+Prometheus-source tests (tests/serve/test_prometheus_source.py, test_prometheus_torn_scrape.py,
 test_no_targets.py) share."""
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def scraped(page: str, instance: str, *, up: float = 1.0, at: float = SCRAPED_AT
     items = [{"metric": {"__name__": "up", **target}, "value": [at, f"{up:g}"]},
              {"metric": {**target, SCRAPE_TIME_LABEL: "1"}, "value": [at, f"{at:.3f}"]}]
     if spread is not None:
-        items.append({"metric": {"job": target["job"], "instance": instance, SAMPLE_TIME_SPREAD_LABEL: "1"},
-                      "value": [at, f"{spread:g}"]})
+        # `stddev by (cluster, job, instance)` keeps those three (cluster where the scrape has one).
+        kept = {key: target[key] for key in ("cluster", "job", "instance") if key in target}
+        items.append({"metric": {**kept, SAMPLE_TIME_SPREAD_LABEL: "1"}, "value": [at, f"{spread:g}"]})
     if up != 1:
         return items
     wanted = wanted_names("auto")

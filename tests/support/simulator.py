@@ -13,12 +13,12 @@ from functools import lru_cache
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.capacity import calibrate, model
+from exporter.capacity import calibrate, fit
 from exporter.capacity.deployment import build_setup, load_architecture
 from exporter.capacity.presets import GPUS, MODELS
 from exporter.serve.config import Deployment, config_from_mapping
 from exporter.simulator import ServerSpec, Simulator, StepRecord
-from exporter.simulator.engine import single_stream_token_seconds
+from exporter.simulator.simulation import single_stream_token_seconds
 
 QWEN = MODELS["qwen3-8b"]
 SPEC = ServerSpec()
@@ -65,7 +65,7 @@ def structure(text: str) -> Structure:
 
 
 @lru_cache(maxsize=1)
-def simulated_calibration() -> model.Calibration:
+def simulated_calibration() -> fit.Calibration:
     """What `calibrate --url` does (a short and a long lone stream), in simulated time."""
     setup = build_setup(load_architecture("qwen3-8b"), "h100-sxm").setup
     measurements = []
@@ -73,7 +73,7 @@ def simulated_calibration() -> model.Calibration:
         times = single_stream_token_seconds(SPEC, context, calibrate.DEFAULT_OUTPUT_TOKENS)
         gaps = tuple(later - earlier for earlier, later in itertools.pairwise(times))
         measurements.append(calibrate.StreamMeasurement(context, len(times), times[0], gaps))
-    return model.calibrate(calibrate.points_from_measurements(setup, measurements))
+    return fit.calibrate(calibrate.points_from_measurements(setup, measurements))
 
 
 def calibrated_deployment() -> Deployment:
