@@ -159,9 +159,11 @@ def _wave_point(base_url: str, vocab_size: int, seed: int, prompt_tokens: int) -
 
 def _calibrate(model_config: Path, points: Sequence[str], path: Path) -> dict[str, object]:
     """`stepbudget calibrate --itl ... --json` as a user runs it, its document kept at `path`: its fitted
-    bandwidth and per-step overhead, which must describe the waves: each point within 10% of the fit. Not 5%:
-    the waves run a minute apart, and a host's speed moves by 10-16% within minutes (a run here with other
-    work on the two cores read +8.1%, -6.5% and +1.4%; a quiet run missed by 2.5% at most).
+    bandwidth and per-step overhead, which must describe the waves: each point within 15% of the fit, the
+    tolerance calibrate itself judges agreement by. Not 5% or 10%: the waves run a minute apart, and a host's
+    speed moves by 10-16% within minutes (a run on one host with other work on the two cores read +8.1%, -6.5%
+    and +1.4%, a quiet one missed by 2.5% at most; on another, quiet, three runs missed by 2.6%, 10.6% and
+    16.5% at most, the last two with no wave before the first taken).
 
     Its verdict is not taken: at one batch size calibrate judges the points' raw bandwidths (read bytes /
     step, overhead left in), and on this CPU the fixed part of a 16-request step (~30 ms of ~45-80) spreads
@@ -180,7 +182,7 @@ def _calibrate(model_config: Path, points: Sequence[str], path: Path) -> dict[st
     document: dict[str, object] = json.loads(done.stdout)
     fitted = document["points"]
     assert isinstance(fitted, list) and len(fitted) == len(points)
-    assert all(abs(point["residual_ratio"]) <= 0.10 for point in fitted), (points, done.stdout)
+    assert all(abs(point["residual_ratio"]) <= 0.15 for point in fitted), (points, done.stdout)
     return document
 
 
@@ -188,6 +190,9 @@ def _shared_run(log_dir: Path) -> SharedRun:
     model_dir = _bf16_copy(log_dir / "tiny-llama-config-bf16")
     model_config = model_dir / "config.json"
     with serving(log_dir, model_dir=model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB) as server:
+        # One wave first, not taken: the first batch of 16 after the server's start stepped 20-50% slower
+        # than the same wave later (three runs here on 2026-12-07: 81, 65 and 54 ms at 13,000 tokens).
+        _wave_point(server.base_url, server.vocab_size, 99, CALIBRATION_PROMPTS[0])
         points = [_wave_point(server.base_url, server.vocab_size, 100 + index, prompt)
                   for index, prompt in enumerate(CALIBRATION_PROMPTS)]
         calibration_path = log_dir / "calibration.json"
@@ -319,14 +324,16 @@ def test_the_engine_shared_the_prefix_the_clients_sent(runs: Runs) -> None:
 def test_tokens_in_flight_count_each_running_requests_whole_context(runs: Runs) -> None:
     """At every settled poll, within 5% of the contexts the clients' requests held (each counted whole,
     the 3,000 shared tokens once for each of the 16), taken MARGIN_SECONDS either side of the poll. The
-    memory held (the prefix once) is a sixth of that: a reading of memory held fails this by ~85%."""
+    memory held (the prefix once) is a sixth to a fifth of that (16 x (3,000 + 256 + 0 to 320) against
+    3,000 + 16 x (256 + 0 to 320): 6.3 as decoding starts, 4.7 at its end): a reading of memory held fails this
+    by 79% to 84%."""
     run = runs.shared
     streams = _phase_streams(run)
     for poll in _settled_polls(run):
         t = poll.at_seconds
         low = contexts_held_at(streams, t - MARGIN_SECONDS)
         high = contexts_held_at(streams, t + MARGIN_SECONDS)
-        assert low > 5 * unique_tokens_held_at(streams, t + MARGIN_SECONDS)  # the sharing is the load's most
+        assert low > 4 * unique_tokens_held_at(streams, t + MARGIN_SECONDS)  # the sharing is the load's most
         tokens = poll.reading.tokens_in_flight
         assert tokens is not None, poll.reading.notes
         assert low * 0.95 <= tokens <= high * 1.05, (t, tokens, low, high)
