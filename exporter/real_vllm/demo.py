@@ -158,7 +158,7 @@ def seed_file(calibration: fit.Calibration, path: Path) -> tuple[Path | None, st
     """The calibration file the daemon starts from, or None with why: the daemon refuses a file
     `calibrate` rejected (its points disagree: on this CPU the weights read faster than the KV, so one
     bandwidth fits a short and a long stream only so well, benchmarks/results/real_vllm_step_cost.md
-    at commit ca625e1;
+    at commit 54bfaa1;
     one run from a fresh clone saw 17.9% against the 15% tolerance), and the demo then starts from the
     host's peaks and lets the online fit find the rates, rather than stop."""
     if calibration.agrees:

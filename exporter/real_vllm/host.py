@@ -3,7 +3,7 @@
 A CPU's memory bandwidth and matmul rate are not on a datasheet, and the hosts these run on differ:
 the one this was first written on printed 27GB/s and 9.14e+10, a later one 49GB/s and 2.34e+11. A
 figure written down once is stale on the next host, and a peak set too low pins the online fit at it
-(benchmarks/results/real_vllm_online.md at commit ca625e1, the run on the faster host). So
+(benchmarks/results/real_vllm_online.md at commit 54bfaa1, the run on the faster host). So
 `make demo-vllm`, the real-engine tests and the online benchmark run the same two commands a user is
 told to run, before their server starts (a server decoding beside them would take its share of the
 cores and the memory bus).

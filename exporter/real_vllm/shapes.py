@@ -55,7 +55,7 @@ class ShapeLimits:
     # its streams come near its cap, which the player holds (an arrival waits), at the fastest a quarter.
     typical_step_seconds: float = 0.08
     # The prompt tokens a second the rates assume the server computes beside its decodes (a 5,000-token
-    # prompt took 20-36 s beside 16 chats: benchmarks/results/real_vllm_online.md at commit ca625e1): open-loop
+    # prompt took 20-36 s beside 16 chats: benchmarks/results/real_vllm_online.md at commit 54bfaa1): open-loop
     # prompts offer at most half.
     prefill_tokens_per_second: float = 200.0
     # The share of the cache the draws fill at most: the rest for the blocks a step allocates ahead.

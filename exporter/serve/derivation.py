@@ -383,7 +383,7 @@ def _window_start_load(setup: model.ServingSetup, window: Window | None, context
 
     The measured step is the mean over the window's tokens, while the end's load is what the poll
     reads: when long sessions finish mid-window, the end holds a third fewer tokens than most of the
-    window's steps ran with (a real vLLM, benchmarks/results/real_vllm_online.md at commit ca625e1: a 97 ms window
+    window's steps ran with (a real vLLM, benchmarks/results/real_vllm_online.md at commit 54bfaa1: a 97 ms window
     predicted at the end's 15,200 tokens, -37%, where its start held 21,300). The mean of the two ends
     is exact while the load changes at a steady rate, and much closer than either end when it jumps."""
     start = window.start if window is not None else None

@@ -2,7 +2,7 @@
 prometheus_client's `generate_latest` writes, at a fraction of its cost.
 
 Why: at 1,000 targets the page is ~22,000 samples, and `generate_latest` validates and escapes every
-label of every sample (benchmarks/results/profile_hotpath_before_metrics.txt at commit ca625e1: 90% of a render). The
+label of every sample (benchmarks/results/profile_hotpath_before_metrics.txt at commit 54bfaa1: 90% of a render). The
 stepbudget families repeat one label set per reading across ~22 families, and the same label sets
 from one poll to the next: here each distinct label set is escaped once and its text remembered (by
 its content, so a changed or reused dict can never be written with stale text), and the per-sample

@@ -198,7 +198,7 @@ class HttpFetcher:
 
     Why urllib3 and not `requests`: a `requests.Session` send re-merges headers, cookies, hooks and
     adapter settings at every call, ~0.6 ms of CPU per page against ~0.3 ms for the same keep-alive
-    GET through a urllib3 pool (benchmarks/results/profile_hotpath_before.txt at commit ca625e1). Everything a fetch
+    GET through a urllib3 pool (benchmarks/results/profile_hotpath_before.txt at commit 54bfaa1). Everything a fetch
     needs is fixed per target, so it is built once: the pool (host, port, TLS settings), the path,
     the headers per bearer token. Targets are connected to directly, as Prometheus does: the proxy
     environment variables are not read. Redirects are followed (at most MAX_REDIRECTS), the bearer

@@ -19,7 +19,7 @@ OWNED_SUFFIXES = (".json", ".md")
 CITING = ["README.md", "CHANGELOG.md", "Makefile", "docs", "tests", "benchmarks", "scripts", "exporter", "helm",
           "examples"]
 CITED = re.compile(r"benchmarks/results/([A-Za-z0-9_.-]+)")
-# A citation of an earlier run names the commit it was at ("... at commit ca625e1"), within this reach.
+# A citation of an earlier run names the commit it was at ("... at commit 54bfaa1"), within this reach.
 COMMIT_REACH = 60
 AT_COMMIT = re.compile(r"\bcommit [0-9a-f]{7,40}\b")
 
@@ -88,7 +88,7 @@ def test_nothing_cites_a_result_file_that_is_gone() -> None:
             line = text.count("\n", 0, match.start()) + 1
             dangling.append(f"{where}:{line}: benchmarks/results/{name}")
     assert not dangling, ("these cite a result no longer in benchmarks/results/: cite it at the commit that held "
-                          "it (`benchmarks/results/NAME.md at commit ca625e1`, git log -- benchmarks/results/):\n"
+                          "it (`benchmarks/results/NAME.md at commit 54bfaa1`, git log -- benchmarks/results/):\n"
                           + "\n".join(dangling))
 
 

@@ -139,7 +139,7 @@ def _round(server: VllmServer, calibration: dict[str, object], seed: int) -> _Ro
     one = _median_gap_seconds(server, seed + 1, 1, 4500)
     # Two streams at 5,000 tokens each: past the long point in tokens in flight, and two requests per
     # step. One stream cannot show what a second request costs of its own on this CPU, about 2.5 ms
-    # (benchmarks/results/real_vllm_step_cost.md at commit ca625e1, its earliest run: 2 x 3,000 tokens
+    # (benchmarks/results/real_vllm_step_cost.md at commit 54bfaa1, its earliest run: 2 x 3,000 tokens
     # stepped in 34.4 ms, 1 x 6,000 in 31.9 ms, though its later runs moved each load 7-18%), ~5% of
     # this step, so this load is held to 15%: the bandwidth's prediction plus that cost, which calibrate
     # takes only from `--itl` points at several batch sizes.
@@ -186,7 +186,7 @@ def _calibrate(server: VllmServer) -> dict[str, object]:
     JSON printed first, with `agrees` false).
 
     Both points long: this CPU reads the weights faster than the KV (benchmarks/results/
-    real_vllm_step_cost.md at commit ca625e1, its earlier runs), so the shorter a point, the faster its
+    real_vllm_step_cost.md at commit 54bfaa1, its earlier runs), so the shorter a point, the faster its
     one-bandwidth reading; at 1,500 and 7,000 tokens the points' bandwidths spread 19.1% in one run and
     calibrate refused the fit, rightly. At 3,000 and 7,000 they agree within a few percent."""
     document, exit_code = _cli("calibrate", "--url", server.base_url, *_setup_flags(), "--short-context", "3000",
