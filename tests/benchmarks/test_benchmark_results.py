@@ -8,7 +8,11 @@ so the folder cannot grow history again: git keeps that (`git log -- benchmarks/
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from tests.support.tools import REPO
 
@@ -100,3 +104,36 @@ def test_a_results_write_up_names_no_result_file_that_is_gone() -> None:
                 for name in named.findall(path.read_text(encoding="utf-8")) if not (RESULTS / name).exists()]
     assert not dangling, "a results write-up names a file that is gone (say it is in git's history):\n" + "\n".join(
         dangling)
+
+
+def _history_available() -> bool:
+    """A clone with its whole history: a shallow one cannot tell a commit that is gone from one it never
+    fetched."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        return False
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--is-shallow-repository"], capture_output=True,
+                          text=True, timeout=30, check=False)
+    return done.returncode == 0 and done.stdout.strip() == "false"
+
+
+def test_a_citation_at_a_commit_names_one_that_holds_the_file() -> None:
+    """`benchmarks/results/NAME at commit X` sends a reader to `git show X:benchmarks/results/NAME`: X must be
+    in main's history and hold NAME there. A branch that did not land once left citations of its commits."""
+    if not _history_available():
+        pytest.skip("no whole git history here (a shallow clone or an unpacked tree)")
+    cited: dict[tuple[str, str], str] = {}
+    for path in _citing_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for match in CITED.finditer(text):
+            name = match.group(1).rstrip(".")
+            at = AT_COMMIT.search(text[match.end():match.end() + COMMIT_REACH])
+            if at is not None and "." in name and not name.endswith("NAME.md"):
+                cited.setdefault((at.group(0).split()[1], name), str(path.relative_to(REPO)))
+    assert cited  # the rule is not vacuous: the results' write-ups cite earlier runs so
+    missing = []
+    for (commit, name), where in sorted(cited.items()):
+        done = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}:benchmarks/results/{name}"],
+                              capture_output=True, timeout=30, check=False)
+        if done.returncode != 0:
+            missing.append(f"{where}: benchmarks/results/{name} at commit {commit}")
+    assert not missing, "these cite a commit this history lacks, or one without the file:\n" + "\n".join(missing)
