@@ -30,6 +30,8 @@ from exporter.serve.alerting import AlertLoop
 from exporter.serve.config import Alerting, Deployment, config_from_mapping
 from exporter.serve.reading import page_setup
 from tests.support.client_truth import (
+    DELIVERY_SECONDS,
+    MARGIN_SECONDS,
     blocks,
     check_an_exact_poll_in_each,
     check_kv_used,
@@ -139,6 +141,34 @@ def test_running_and_waiting_are_the_requests_the_clients_have_outstanding(run: 
     assert all((poll.reading.requests_running or 0) <= MAX_NUM_SEQS for poll in run.polls)
     assert any(poll.phase == "overload" and poll.reading.requests_waiting for poll in run.polls), (
         "9 requests of 1,810 tokens (135 blocks) in 127 usable blocks: one must wait at some poll")
+
+
+def _tokens_after_first_by(streams: list[Stream], at_seconds: float) -> int:
+    """What the clients had received by `at_seconds` beyond each request's first token."""
+    return sum(max(0, stream.generated_by(at_seconds) - 1) for stream in streams)
+
+
+def test_the_decode_token_counter_is_what_the_clients_received_after_their_first_tokens(run: Run) -> None:
+    """The speed objective's denominator (`stepbudget_decode_tokens_total`, the poller's running sum of each
+    window's generated tokens less one a request whose first token came in it) over the whole run, every
+    phase, the preempted overload included, is what the clients received after each request's first token,
+    to the token. vLLM counts a resumed request's tokens as generated and observes its first token once (0.32.0
+    vllm/v1/metrics/stats.py l. 514-523): a preemption adds nothing to either side. The clients' side is taken
+    at the last poll, from MARGIN_SECONDS before its fetch began to DELIVERY_SECONDS after it read the page
+    (the server may generate tokens its starved front end hands out a moment later); the run drained before
+    it, so the two are one figure unless a last token was in flight then. The share at the target is part of
+    it (6 tokens a second per user)."""
+    first, last = run.polls[0], run.polls[-1]
+    assert first.phase == "idle" and _tokens_after_first_by(run.load.streams, first.at_seconds) == 0
+    counted, at_target = last.reading.decode_tokens_total, last.reading.decode_tokens_at_target_total
+    assert counted is not None and at_target is not None, last.reading.notes
+    low = _tokens_after_first_by(run.load.streams, last.fetch_started_seconds - MARGIN_SECONDS)
+    high = _tokens_after_first_by(run.load.streams, last.at_seconds + DELIVERY_SECONDS)
+    # Every stream's every token: 4 x 600 + 16-chat, long and overload streams, none of them empty.
+    assert high == sum(stream.generated_by(last.at_seconds + DELIVERY_SECONDS) - 1 for stream in run.load.streams)
+    assert high >= 4 * (600 - 1) + 2 * (LONG_OUTPUT_TOKENS - 1), high
+    assert low <= counted <= high, (counted, low, high)
+    assert 0 <= at_target <= counted
 
 
 def _gaps_in_arrival_order(streams: list[Stream]) -> list[tuple[float, int, float]]:
