@@ -348,13 +348,20 @@ def _deepseek(config: _Config, name: str) -> Architecture:
     shared = moe_layers * config.integer("n_shared_experts", 0) * _gated_mlp_params(hidden, expert_width)
     router = moe_layers * experts * (hidden + 1)  # gate weight plus the score-correction bias (V3)
     dense = dense_layers * _gated_mlp_params(hidden, config.integer("intermediate_size"))
-    params = (layers * (attention + 2 * hidden) + routed + shared + router + dense
-              + _embedding_params(config, vocab, hidden) + hidden)
+    embeddings = _embedding_params(config, vocab, hidden)
+    params = layers * (attention + 2 * hidden) + routed + shared + router + dense + embeddings + hidden
+    # What a quantized checkpoint keeps in 16 bits: vLLM builds every projection and expert with the
+    # checkpoint's quant_config, and the router without one (vllm/model_executor/models/deepseek_v2.py at
+    # 002d607, DeepseekV2MoE.__init__: `self.gate = GateLinear(...)`); the norms and embeddings are not linear
+    # layers. DeepSeek-V3/R1 and Kimi K2 publish block-FP8 checkpoints (quantization_config fp8).
+    norms = layers * (2 * hidden + q_lora + kv_lora) + hidden
     return Architecture(
         name=name, layers=layers, hidden_size=hidden, attention_heads=heads, kv_heads=heads, head_dim=v_dim,
         params=float(params), attention_kind="mla", kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
         experts=experts, experts_per_token=config.integer("num_experts_per_tok") if experts else 0,
         routed_expert_params=float(routed),
+        input_embedding_params=float(0 if config.get("tie_word_embeddings", False) else vocab * hidden),
+        unquantized_params=float(embeddings + norms + router), checkpoint_weight_dtype=checkpoint_weight_dtype(config),
         source=f"{config.path} (parameters counted from the architecture; multi-token-prediction layers excluded)",
     )
 

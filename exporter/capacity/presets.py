@@ -141,6 +141,13 @@ _DEEPSEEK_V3 = Architecture("deepseek-v3", layers=61, hidden_size=7168, attentio
                             head_dim=128, params=671e9, attention_kind="mla", kv_lora_rank=512,
                             qk_rope_head_dim=64, experts=256, experts_per_token=8,
                             routed_expert_params=58 * 256 * 3 * 7168 * 2048,
+                            # Block-FP8 weights (quantization_config fp8) but for what stays 16-bit: both
+                            # 129280 x 7168 embedding tables, the norms (two a layer, q_a's 1536 and kv_a's 512,
+                            # the final one) and the 58 routers of 256 x (7168 + 1) (hf_config._deepseek).
+                            input_embedding_params=129280 * 7168,
+                            unquantized_params=2 * 129280 * 7168 + 61 * (2 * 7168 + 1536 + 512) + 7168
+                            + 58 * 256 * (7168 + 1),
+                            checkpoint_weight_dtype="fp8",
                             source="deepseek-ai/DeepSeek-V3 config.json and technical report")
 
 # openai/gpt-oss-120b config.json: 36 layers, hidden 2880, 64 heads, 8 KV heads, head_dim 64, attention_bias
@@ -268,6 +275,11 @@ MODELS: dict[str, Architecture] = {
     "kimi-k2": Architecture("kimi-k2", layers=61, hidden_size=7168, attention_heads=64, kv_heads=64, head_dim=128,
                             params=1_026_408_232_448, attention_kind="mla", kv_lora_rank=512, qk_rope_head_dim=64,
                             experts=384, experts_per_token=8, routed_expert_params=60 * 384 * 3 * 7168 * 2048,
+                            # Block FP8 as DeepSeek-V3 (its 16-bit part counted the same way, 60 routers of 384).
+                            input_embedding_params=163840 * 7168,
+                            unquantized_params=2 * 163840 * 7168 + 61 * (2 * 7168 + 1536 + 512) + 7168
+                            + 60 * 384 * (7168 + 1),
+                            checkpoint_weight_dtype="fp8",
                             source="moonshotai/Kimi-K2-Instruct config.json and model card"),
 }
 

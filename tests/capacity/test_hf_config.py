@@ -187,6 +187,30 @@ def test_an_awq_checkpoint_reads_4_bit_matrices_and_16_bit_embeddings_and_norms(
         weight_bytes(arch, 0.5) - vocab * hidden * 2 + hidden * 2)
 
 
+def test_a_block_fp8_deepseek_checkpoint_keeps_its_router_norms_and_embeddings_in_16_bits(tmp_path: Path) -> None:
+    """DeepSeek-V3's config.json as published carries quantization_config fp8 (block 128 x 128): every
+    projection and expert is FP8, the router, norms and both embedding tables 16-bit. Read without it, the
+    671B weights would count 2 bytes each: 1.34 TB where the checkpoint is 0.67 TB."""
+    raw = json.loads(Path(config("DeepSeek-V3")).read_text())
+    assert load_hf_config(config("DeepSeek-V3")).checkpoint_weight_dtype is None  # the copy here has none
+    raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    arch = load_hf_config(write_config(tmp_path, "DeepSeek-V3", raw))
+    hidden, layers, vocab, q_lora, kv_lora, moe_layers, experts = 7168, 61, 129280, 1536, 512, 61 - 3, 256
+    norms = layers * (2 * hidden + q_lora + kv_lora) + hidden  # two a layer, q_a's and kv_a's, the final one
+    routers = moe_layers * experts * (hidden + 1)  # gate weight and its score-correction bias
+    sixteen_bit = 2 * vocab * hidden + norms + routers
+    assert (arch.checkpoint_weight_dtype, arch.unquantized_params, arch.input_embedding_params) == (
+        "fp8", sixteen_bit, vocab * hidden)
+    setup = build_setup(arch, "h200", tensor_parallel=8).setup  # no weight dtype given: the checkpoint's
+    assert setup.weight_bytes_per_param == 1.0
+    assert weight_bytes(arch, 1.0, 8) == (sixteen_bit * 2 + (arch.params - sixteen_bit) * 1) / 8
+    # The presets count the same: DeepSeek-R1 is DeepSeek-V3's architecture.
+    preset = get_model_preset("deepseek-r1")
+    assert (preset.checkpoint_weight_dtype, preset.unquantized_params, preset.input_embedding_params) == (
+        arch.checkpoint_weight_dtype, arch.unquantized_params, arch.input_embedding_params)
+
+
 def test_an_unquantized_checkpoint_reads_16_bit_weights() -> None:
     arch = load_hf_config(config("Llama-3.1-8B"))
     assert arch.checkpoint_weight_dtype is None
