@@ -120,7 +120,8 @@ def test_a_citation_at_a_commit_names_one_that_holds_the_file() -> None:
     """`benchmarks/results/NAME at commit X` sends a reader to `git show X:benchmarks/results/NAME`: X must be
     in main's history and hold NAME there. A branch that did not land once left citations of its commits."""
     if not _history_available():
-        pytest.skip("no whole git history here (a shallow clone or an unpacked tree)")
+        pytest.skip("needs the whole git history to look the cited commits up, and this is a shallow clone or a tree "
+                    "without .git; test_nothing_cites_a_result_file_that_is_gone still checks every citation's form")
     cited: dict[tuple[str, str], str] = {}
     for path in _citing_files():
         text = path.read_text(encoding="utf-8", errors="replace")
